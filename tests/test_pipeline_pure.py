@@ -189,11 +189,12 @@ def test_check_finds_missing_duplicate_misplaced_and_order_errors():
 
 
 def test_check_finds_cross_rank_deadlock():
-    # rank 0 waits for the gradient of microbatch 1 before it sends microbatch 1's activation.
-    actions = {0: ["0F0", "0B1", "0F1", "0B0"], 1: ["1F0", "1F1", "1B1", "1B0"]}
+    # rank 0 waits for microbatch 0's gradient before it sends microbatch 1's activation, while
+    # rank 1 waits for that activation before it sends the gradient.
+    actions = {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F0", "1F1", "1B0", "1B1"]}
     with pytest.raises(ScheduleError, match="deadlock") as err:
         check(_table(actions))
-    assert "rank 0 step 1 0B1 waits for 1B1" in str(err.value)
+    assert "rank 0 step 1 0B0 waits for 1B0" in str(err.value)
     assert "rank 1 step 1 1F1 waits for 0F1" in str(err.value)
 
 

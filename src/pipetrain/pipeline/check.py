@@ -112,8 +112,7 @@ def lockstep(table: ScheduleTable) -> dict[int, list[tuple[int, Action]]]:
             (blocked if waiting else ready).append((rank, a, waiting))
         if not ready:
             detail = "; ".join(
-                f"rank {r} step {ptr[r]} {a} waits for {', '.join(map(str, w))} "
-                f"(rank {table.placement[w[0].stage]})"
+                f"rank {r} step {ptr[r]} {a} waits for {', '.join(map(str, w))} (rank {table.placement[w[0].stage]})"
                 for r, a, w in blocked
             )
             r0, a0, _ = blocked[0]

@@ -234,8 +234,7 @@ def _interleaved_order(pp: int, vpp: int, m: int) -> list[tuple[int, int]]:
 def _interleaved_sizes(pp: int, vpp: int, m: int) -> str | None:
     if vpp < 2:
         return (
-            f"schedule interleaved_1f1b needs parallel.vpp >= 2, got {vpp} "
-            "(use schedule=1f1b for one stage per rank)"
+            f"schedule interleaved_1f1b needs parallel.vpp >= 2, got {vpp} (use schedule=1f1b for one stage per rank)"
         )
     if pp > 1 and m % pp != 0:
         return (

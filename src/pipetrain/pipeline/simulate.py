@@ -33,9 +33,7 @@ class Simulation:
     peak_in_flight: dict[int, int]
 
 
-def simulate(
-    table: ScheduleTable, *, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0
-) -> Simulation:
+def simulate(table: ScheduleTable, *, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0) -> Simulation:
     """Simulate ``table`` (which must pass ``check``) with fixed costs per action.
 
     Args:
@@ -62,9 +60,7 @@ def simulate(
                 deps = dependencies(a, n)
                 if any(d not in end for d in deps):
                     break
-                arrival = max(
-                    (end[d] + (comm if table.placement[d.stage] != rank else 0.0) for d in deps), default=0.0
-                )
+                arrival = max((end[d] + (comm if table.placement[d.stage] != rank else 0.0) for d in deps), default=0.0)
                 start = max(free[rank], arrival)
                 end[a] = free[rank] = start + cost[a.kind]
                 spans[rank].append((a, start, end[a]))
@@ -74,9 +70,7 @@ def simulate(
         if not progressed:
             raise RuntimeError(f"schedule {table.name!r} cannot make progress; run check() for details")
     makespan = max(free.values(), default=0.0)
-    bubble = {
-        r: (1.0 - sum(e - s for _, s, e in sp) / makespan) if makespan else 0.0 for r, sp in spans.items()
-    }
+    bubble = {r: (1.0 - sum(e - s for _, s, e in sp) / makespan) if makespan else 0.0 for r, sp in spans.items()}
     return Simulation(spans=spans, makespan=makespan, bubble=bubble, peak_in_flight=_peak_in_flight(table))
 
 
