@@ -198,3 +198,85 @@ class TrainConfig:
     seed: int = 1234
     # Steps whose timing is left out of the tokens/s and step-time medians in summary.json.
     timing_warmup_steps: int = 3
+
+
+# --------------------------------------------------------------------------------------------
+# registration and validation
+# --------------------------------------------------------------------------------------------
+
+LOGGERS = ("wandb", "csv", "none")
+ACCELERATORS = ("auto", "cpu", "gpu")
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore (idempotent).
+
+    ``train_schema`` types the root; ``model/gpt2_schema`` and ``model/llama3_schema`` type the
+    model group, so an override of a key that a family lacks (``model.n_kv_head`` on GPT-2)
+    fails at compose time.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="model", name="gpt2_schema", node=GPT2Config)
+    cs.store(group="model", name="llama3_schema", node=Llama3Config)
+
+
+def _positive(key: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{key}={value} must be >= 1")
+
+
+def validate(cfg: Any) -> None:
+    """Raise ValueError (naming the key, the value and what would work) if ``cfg`` cannot run.
+
+    Cheap and pure apart from reading data-file headers: called before any process starts.
+    Builds and checks the task table, partitions the layers and checks the data files.
+    """
+    from pipetrain.data.datamodule import validate_data
+    from pipetrain.models import MODEL_FAMILIES
+    from pipetrain.pipeline.check import check
+    from pipetrain.pipeline.partition import partition
+    from pipetrain.pipeline.schedules import build_schedule
+
+    par, model, data = cfg.parallel, cfg.model, cfg.data
+    for key, value in (
+        ("parallel.pp", par.pp),
+        ("parallel.vpp", par.vpp),
+        ("parallel.dp", par.dp),
+        ("parallel.num_microbatches", par.num_microbatches),
+        ("data.micro_batch_size", data.micro_batch_size),
+        ("data.seq_len", data.seq_len),
+        ("model.n_layer", model.n_layer),
+        ("model.n_head", model.n_head),
+        ("trainer.max_steps", cfg.trainer.max_steps),
+    ):
+        _positive(key, value)
+    if par.dp != 1:
+        raise ValueError(f"parallel.dp={par.dp} is not supported yet; use parallel.dp=1")
+    if model.family not in MODEL_FAMILIES:
+        raise ValueError(f"model.family={model.family!r} is unknown; use one of {sorted(MODEL_FAMILIES)}")
+    if model.n_embd % model.n_head:
+        raise ValueError(
+            f"model.n_embd={model.n_embd} is not divisible by model.n_head={model.n_head}; "
+            f"pick n_head among the divisors of n_embd"
+        )
+    n_kv_head = getattr(model, "n_kv_head", None)
+    if n_kv_head is not None and (n_kv_head < 1 or model.n_head % n_kv_head):
+        raise ValueError(
+            f"model.n_head={model.n_head} is not divisible by model.n_kv_head={n_kv_head}; "
+            f"use an n_kv_head that divides n_head"
+        )
+    if data.seq_len > model.block_size:
+        raise ValueError(
+            f"data.seq_len={data.seq_len} exceeds model.block_size={model.block_size}; "
+            f"use data.seq_len <= {model.block_size}"
+        )
+    partition(model.n_layer, pp=par.pp, vpp=par.vpp, placement=par.placement)
+    check(build_schedule(cfg.schedule.name, pp=par.pp, vpp=par.vpp, num_microbatches=par.num_microbatches))
+    if cfg.logger.name not in LOGGERS:
+        raise ValueError(f"logger.name={cfg.logger.name!r} is unknown; use one of {LOGGERS}")
+    if cfg.trainer.accelerator not in ACCELERATORS:
+        raise ValueError(f"trainer.accelerator={cfg.trainer.accelerator!r} is unknown; use one of {ACCELERATORS}")
+    validate_data(data)

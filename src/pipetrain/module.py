@@ -1,0 +1,186 @@
+"""The LightningModule: builds this rank's chunks, runs a step through the strategy, optimizes, logs.
+
+Manual optimization (DESIGN.md, Lightning facts): the schedule runs its own backwards, so a step
+is ``zero_grad -> strategy.run_schedule -> sync tied grads -> global clip -> step``. Under
+automatic optimization Lightning's closure would zero the schedule's gradients before its own
+backward and the optimizer step would silently do nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+from pipetrain.models import build_chunk
+
+
+def comm_dtype_for(precision: str) -> torch.dtype:
+    """Dtype of activations on the wire: the dtype the chunks produce under ``precision``."""
+    if precision.startswith("bf16-true"):
+        return torch.bfloat16
+    if precision.startswith("16-true"):
+        return torch.float16
+    # 32-true and the "-mixed" precisions keep the residual stream in fp32.
+    return torch.float32
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup over ``warmup_steps`` then cosine decay to ``min_lr_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class PipelineLM(L.LightningModule):
+    """A GPT-2 or LLaMA-3 language model trained with pipeline parallelism.
+
+    Args:
+        model_cfg: a ``GPT2Config`` or ``Llama3Config`` (plain dataclass instance).
+        optim_cfg: an ``OptimConfig``.
+        seed: init seed; layer l's weights depend only on (seed, l).
+        max_steps: optimizer steps of the run (for the LR schedule).
+        precision: Lightning precision string (decides the wire dtype).
+        dump_grads_step: if set, save this rank's gradients after that step's backward.
+    """
+
+    def __init__(
+        self, model_cfg, optim_cfg, *, seed: int, max_steps: int, precision: str, dump_grads_step: int | None = None
+    ):
+        super().__init__()
+        self.automatic_optimization = False
+        self.model_cfg = model_cfg
+        self.optim_cfg = optim_cfg
+        self.seed = seed
+        self.max_steps = max_steps
+        self.comm_dtype = comm_dtype_for(precision)
+        self.dump_grads_step = dump_grads_step
+        self.chunks: nn.ModuleDict | None = None
+        self.train_losses: list[float] = []
+        self.step_times: list[float] = []
+        self.val_losses: list[float] = []
+        self._val_batch_losses: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ model
+
+    def configure_model(self) -> None:
+        if self.chunks is not None:
+            return
+        strategy = self.trainer.strategy
+        info = strategy.stage_info
+        last = strategy.table.num_stages - 1
+        chunks = {
+            str(stage): build_chunk(
+                self.model_cfg, layer_range=rng, has_embedding=stage == 0, has_head=stage == last, seed=self.seed
+            )
+            for stage, rng in zip(info.stages, info.chunk_layer_ranges, strict=True)
+        }
+        self.chunks = nn.ModuleDict(chunks)
+        # pp == 1 with vpp > 1: the embedding and the head are different local chunks. Tie them.
+        if "0" in chunks and str(last) in chunks and last != 0:
+            for emb_name, head_name in type(chunks["0"]).tied_weights:
+                owner, _, attr = head_name.rpartition(".")
+                setattr(chunks[str(last)].get_submodule(owner), attr, chunks["0"].get_parameter(emb_name))
+
+    def chunk_map(self) -> dict[int, nn.Module]:
+        assert self.chunks is not None
+        return {int(stage): chunk for stage, chunk in self.chunks.items()}
+
+    def named_global_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by global name (``layers.7.attn.c_attn.weight``), each once."""
+        out: dict[str, nn.Parameter] = {}
+        seen: set[int] = set()
+        for chunk in self.chunk_map().values():
+            for name, p in chunk.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out[name] = p
+        return out
+
+    def tied_pairs(self) -> list[tuple[nn.Parameter | None, nn.Parameter | None]]:
+        """(embedding-side, head-side) parameter of every tied pair, None where not on this rank."""
+        params = self.named_global_parameters()
+        chunk_cls = type(next(iter(self.chunk_map().values())))
+        return [(params.get(e), params.get(h)) for e, h in chunk_cls.tied_weights if e in params or h in params]
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """Parameters counted in the global grad norm: a tied head copy counts on its embedding's rank."""
+        params = self.named_global_parameters()
+        chunk_cls = type(next(iter(self.chunk_map().values())))
+        skip = {h for e, h in chunk_cls.tied_weights if h in params and e not in params}
+        return [p for n, p in params.items() if n not in skip]
+
+    # ------------------------------------------------------------------ optimization
+
+    def configure_optimizers(self):
+        params = list(self.named_global_parameters().values())
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        cfg = self.optim_cfg
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(
+                step, warmup_steps=cfg.warmup_steps, max_steps=self.max_steps, min_lr_ratio=cfg.min_lr_ratio
+            ),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        start = time.perf_counter()
+        strategy = self.trainer.strategy
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        optimizer.zero_grad(set_to_none=True)
+        loss = strategy.run_schedule(
+            self.chunk_map(), batch, hidden_dim=self.model_cfg.n_embd, comm_dtype=self.comm_dtype, train=True
+        )
+        strategy.sync_tied_gradients(self.tied_pairs())
+        if self.dump_grads_step is not None and self.global_step + 1 == self.dump_grads_step:
+            self._dump_grads(strategy.global_rank)
+        grad_norm = strategy.clip_grad_norm(self.norm_parameters(), self.optim_cfg.grad_clip)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        step_time = time.perf_counter() - start
+        tokens = batch.shape[0] * (batch.shape[1] - 1) * strategy.dp
+        self.train_losses.append(loss.item())
+        self.step_times.append(step_time)
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log("train/lr", lr, on_step=True)
+        self.log("train/grad_norm", grad_norm, on_step=True)
+        self.log("train/tokens_per_s", tokens / step_time, on_step=True, prog_bar=True)
+        self.log("train/step_time_s", step_time, on_step=True)
+        return loss
+
+    def _dump_grads(self, global_rank: int) -> None:
+        params = self.named_global_parameters()
+        grads = {n: p.grad.detach().cpu().clone() for n, p in params.items() if p.grad is not None}
+        torch.save(grads, Path(self.trainer.default_root_dir) / f"grads_rank{global_rank}.pt")
+
+    # ------------------------------------------------------------------ validation
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = self.trainer.strategy.run_schedule(
+            self.chunk_map(), batch, hidden_dim=self.model_cfg.n_embd, comm_dtype=self.comm_dtype, train=False
+        )
+        self._val_batch_losses.append(loss)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val_batch_losses:
+            return
+        val = torch.stack(self._val_batch_losses).mean()
+        self._val_batch_losses.clear()
+        self.val_losses.append(val.item())
+        # Every rank holds the same broadcast value, so no cross-rank reduction is needed.
+        self.log("val/loss", val, prog_bar=True, sync_dist=False, rank_zero_only=True)

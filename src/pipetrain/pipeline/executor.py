@@ -1,0 +1,137 @@
+"""Run one rank's task table: forwards, backwards and the messages between them.
+
+The executor interprets actions; it never asks which schedule produced them. Shapes:
+``B`` = micro_batch_size, ``T`` = seq_len, ``D`` = n_embd, ``V`` = vocab_size.
+
+Memory contract: an F stashes only what its B needs (the received input and the chunk's output, or
+the scaled loss on the last stage) and the B frees it; the last stage keeps one loss scalar per
+microbatch, never the logits.
+
+Loss contract (DESIGN.md, 4): each microbatch's summed token loss is divided once, before its
+backward, by the number of target tokens in the whole step, so the step's loss and gradients are
+those of the mean over every token of the global batch, for any m, pp or vpp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from pipetrain.pipeline.comms import ACTIVATION, GRADIENT, P2PComms, message_tag
+from pipetrain.pipeline.schedules import BACKWARD, FORWARD, ScheduleTable
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def summed_cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the token cross-entropies, computed in fp32."""
+    return nn.functional.cross_entropy(
+        logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1), reduction="sum"
+    )
+
+
+class PipelineExecutor:
+    """Walks this rank's actions of a :class:`ScheduleTable`.
+
+    Args:
+        table: the checked task table.
+        rank: this process's pp rank.
+        chunks: the local chunks keyed by global stage index.
+        comms: the point-to-point transport.
+        hidden_shape: shape of one microbatch's activation between stages, (B, T, D).
+        loss_fn: ``(logits_BTV, targets_BT) -> summed loss`` (default: summed cross-entropy).
+    """
+
+    def __init__(
+        self,
+        table: ScheduleTable,
+        *,
+        rank: int,
+        chunks: dict[int, nn.Module],
+        comms: P2PComms,
+        hidden_shape: tuple[int, int, int],
+        loss_fn: LossFn = summed_cross_entropy,
+    ):
+        self.table = table
+        self.rank = rank
+        self.chunks = chunks
+        self.comms = comms
+        self.hidden_shape = hidden_shape
+        self.loss_fn = loss_fn
+        self.last_stage = table.num_stages - 1
+        self.peak_stashed = 0
+
+    def _peer(self, stage: int) -> int:
+        return self.table.placement[stage]
+
+    def _tag(self, direction: int, stage: int, microbatch: int) -> int:
+        return message_tag(direction, stage, microbatch, self.table.num_microbatches)
+
+    def run(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        *,
+        num_tokens: int,
+        forward_only: bool = False,
+    ) -> torch.Tensor | None:
+        """Run this rank's actions for one step.
+
+        Args:
+            inputs: per microbatch token ids (B, T) int64; used on the rank with stage 0.
+            targets: per microbatch target ids (B, T) int64; used on the rank with the last stage.
+            num_tokens: target tokens in the whole step (the loss divisor).
+            forward_only: run only the F actions, without autograd (validation).
+
+        Returns:
+            On the rank holding the last stage, the step loss (0-dim fp32 tensor, mean over all
+            ``num_tokens``); elsewhere None.
+
+        Raises:
+            RuntimeError: a peer failed or timed out (from torch.distributed).
+        """
+        stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        losses: list[torch.Tensor] = []
+        actions = self.table.actions[self.rank]
+        grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
+        with grad_mode:
+            for action in actions:
+                s, mb = action.stage, action.microbatch
+                if action.kind == FORWARD:
+                    if s == 0:
+                        x = None
+                        out = self.chunks[s](inputs[mb])
+                    else:
+                        tag = self._tag(ACTIVATION, s - 1, mb)
+                        x = self.comms.recv(self.hidden_shape, peer=self._peer(s - 1), tag=tag)
+                        if not forward_only:
+                            x.requires_grad_(True)
+                        out = self.chunks[s](x)
+                    if s == self.last_stage:
+                        out = self.loss_fn(out, targets[mb]) / num_tokens
+                        losses.append(out.detach())
+                    else:
+                        self.comms.send(out, peer=self._peer(s + 1), tag=self._tag(ACTIVATION, s, mb))
+                    if not forward_only:
+                        stash[(s, mb)] = (x, out)
+                        self.peak_stashed = max(self.peak_stashed, len(stash))
+                elif action.kind == BACKWARD:
+                    if forward_only:
+                        continue
+                    x, out = stash.pop((s, mb))
+                    if s == self.last_stage:
+                        torch.autograd.backward(out)
+                    else:
+                        grad = self.comms.recv(out.shape, peer=self._peer(s + 1), tag=self._tag(GRADIENT, s + 1, mb))
+                        torch.autograd.backward(out, grad_tensors=grad.to(out.dtype))
+                    if s > 0:
+                        self.comms.send(x.grad, peer=self._peer(s - 1), tag=self._tag(GRADIENT, s, mb))
+                else:
+                    raise ValueError(f"rank {self.rank}: the executor cannot run action {action}")
+        self.comms.flush()
+        assert not stash, f"rank {self.rank}: activations never freed by a backward: {sorted(stash)}"
+        if not losses:
+            return None
+        return torch.stack(losses).sum()

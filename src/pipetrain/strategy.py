@@ -1,0 +1,298 @@
+"""``PipelineParallelStrategy``: a Lightning strategy that runs a pipeline schedule.
+
+What it owns (DESIGN.md, contracts 2, 4 and 5):
+
+- the process groups: a ("dp", "pp") device mesh over all processes (gloo on CPU, NCCL on GPU),
+  and for GPT-2's tied embedding/head one group holding the first- and last-stage ranks;
+- this rank's :class:`StageInfo`, which the LightningModule's ``configure_model`` reads to build
+  only its local chunks;
+- the task table (built and checked before training starts) and the executor that walks it;
+- the cross-rank gradient work after each backward: summing the tied embedding/head gradient,
+  and one global gradient norm over all stages for clipping;
+- broadcasting the step loss from the last stage so that rank 0's loggers see it.
+
+It subclasses ``ParallelStrategy`` rather than ``DDPStrategy``: DDP would wrap the model and
+broadcast rank 0's weights, both wrong when ranks own different layers.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pipetrain.pipeline.check import check
+from pipetrain.pipeline.comms import P2PComms
+from pipetrain.pipeline.executor import PipelineExecutor
+from pipetrain.pipeline.partition import StageInfo, partition
+from pipetrain.pipeline.schedules import ScheduleTable, build_schedule
+
+
+class PipelineParallelStrategy(ParallelStrategy):
+    """Pipeline parallelism over ``pp`` processes (``dp`` must be 1 for now).
+
+    Args:
+        pp: pipeline-parallel degree (processes in the pipeline).
+        vpp: stages per rank.
+        num_microbatches: microbatches per optimizer step.
+        schedule: registered schedule name (``pipetrain.pipeline.schedules.SCHEDULES``).
+        n_layer: layers of the model, to partition.
+        placement: stage placement ("loop").
+        timeout_s: seconds a collective or p2p op may wait on a peer before the run fails.
+        Remaining arguments are Lightning's (filled in by the Trainer when left None).
+
+    Raises:
+        ValueError: sizes the schedule or partition cannot run (before any process starts).
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        *,
+        pp: int = 1,
+        vpp: int = 1,
+        dp: int = 1,
+        num_microbatches: int = 1,
+        schedule: str = "1f1b",
+        n_layer: int = 1,
+        placement: str = "loop",
+        timeout_s: float = 300.0,
+        accelerator=None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: str | None = None,
+    ):
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if dp != 1:
+            raise ValueError(f"parallel.dp={dp} is not supported yet; use parallel.dp=1")
+        self.pp, self.vpp, self.dp = pp, vpp, dp
+        self.num_microbatches = num_microbatches
+        self.schedule_name = schedule
+        self.placement = placement
+        self._timeout = timedelta(seconds=timeout_s)
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        # Pure and cheap: build and check everything before any process group exists.
+        self.stage_infos: tuple[StageInfo, ...] = partition(n_layer, pp=pp, vpp=vpp, placement=placement)
+        self.table: ScheduleTable = build_schedule(schedule, pp=pp, vpp=vpp, num_microbatches=num_microbatches)
+        check(self.table)
+        self.eval_table: ScheduleTable = build_schedule("gpipe", pp=pp, vpp=vpp, num_microbatches=num_microbatches)
+        self.mesh: DeviceMesh | None = None
+        self._tied_group: dist.ProcessGroup | None = None
+
+    # ------------------------------------------------------------------ Lightning plumbing
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every pp rank of a replica reads the same batches; the data module shards by dp rank.
+        return {"num_replicas": self.dp, "rank": self.dp_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        if self.world_size != self.dp * self.pp:
+            raise ValueError(
+                f"the run has {self.world_size} processes but parallel.dp * parallel.pp = {self.dp * self.pp}; "
+                "launch exactly dp * pp processes"
+            )
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.mesh = init_device_mesh(self.root_device.type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        # new_group is collective: every rank creates every replica's tied group, keeps its own.
+        for d in range(self.dp):
+            ranks = sorted({d * self.pp + self.table.placement[0], d * self.pp + self.table.placement[-1]})
+            group = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+            if self.global_rank in ranks:
+                self._tied_group = group
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor) or not _distributed_is_initialized():
+            return tensor
+        tensor = tensor.clone()
+        op = dist.ReduceOp.SUM
+        dist.all_reduce(tensor, op=op, group=group)
+        if reduce_op in ("mean", "avg", dist.ReduceOp.AVG):
+            tensor = tensor / dist.get_world_size(group)
+        return tensor
+
+    def teardown(self) -> None:
+        super().teardown()
+        if _distributed_is_initialized():
+            dist.destroy_process_group()
+        self.mesh = None
+        self._tied_group = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="pipetrain pipeline parallelism")
+
+    # ------------------------------------------------------------------ pipeline facts
+
+    @property
+    def pp_rank(self) -> int:
+        return self.global_rank % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.global_rank // self.pp
+
+    @property
+    def stage_info(self) -> StageInfo:
+        return self.stage_infos[self.pp_rank]
+
+    def _pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("pp") if self.mesh is not None and self.pp > 1 else None
+
+    def _last_stage_global_rank(self) -> int:
+        return self.dp_rank * self.pp + self.table.placement[-1]
+
+    # ------------------------------------------------------------------ running a step
+
+    def run_schedule(
+        self,
+        chunks: dict[int, nn.Module],
+        batch_BT1: torch.Tensor,
+        *,
+        hidden_dim: int,
+        comm_dtype: torch.dtype,
+        train: bool,
+    ) -> torch.Tensor:
+        """Run one step's schedule on this rank and return the step loss on every rank.
+
+        Args:
+            chunks: this rank's chunks keyed by global stage index.
+            batch_BT1: this replica's token rows for the step, (rows, T + 1) int64; rows must
+                be a multiple of num_microbatches.
+            hidden_dim: D, the width of the activations sent between stages.
+            comm_dtype: dtype of the activations and gradients on the wire.
+            train: run the training table (forwards and backwards) or, when False, only
+                forwards (validation; call under torch.no_grad()).
+
+        Returns:
+            0-dim fp32 tensor: mean token loss over the step's batch, identical on all ranks.
+        """
+        rows, t_plus_1 = batch_BT1.shape
+        m = self.num_microbatches
+        if rows % m:
+            raise ValueError(f"a batch of {rows} rows cannot be cut into parallel.num_microbatches={m} microbatches")
+        inputs = batch_BT1[:, :-1].split(rows // m)
+        targets = batch_BT1[:, 1:].split(rows // m)
+        comms = P2PComms(self._pp_group(), self.pp_rank, self.root_device, comm_dtype)
+        executor = PipelineExecutor(
+            self.table if train else self.eval_table,
+            rank=self.pp_rank,
+            chunks=chunks,
+            comms=comms,
+            hidden_shape=(rows // m, t_plus_1 - 1, hidden_dim),
+        )
+        loss = executor.run(inputs, targets, num_tokens=rows * (t_plus_1 - 1), forward_only=not train)
+        if loss is None:
+            loss = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        if self.pp > 1:
+            dist.broadcast(loss, src=self._last_stage_global_rank(), group=self._pp_group())
+        return loss
+
+    def sync_tied_gradients(self, tied: list[tuple[nn.Parameter | None, nn.Parameter | None]]) -> None:
+        """Sum the gradients of tied weights held on different ranks (first and last stage).
+
+        Args:
+            tied: per tied pair, (embedding-side parameter or None, head-side parameter or None)
+                as held on this rank. A rank holding both shares one Parameter: nothing to do.
+        """
+        if self._tied_group is None:
+            return
+        for emb, head in tied:
+            # pp > 1: a rank in the tied group holds exactly one side of the pair.
+            p = emb if emb is not None else head
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self._tied_group)
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+        """One global L2 norm over all stages' gradients; scale every stage's gradients by it.
+
+        Args:
+            params: this rank's parameters, each counted once across the pipeline (leave out the
+                head-side copy of a tied weight held on another rank than its embedding).
+            max_norm: clip threshold, or None to only measure.
+
+        Returns:
+            The global gradient norm before clipping (0-dim fp32 tensor), the same on all ranks.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        local_sq = (
+            torch.nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
+            if grads
+            else torch.zeros((), device=self.root_device)
+        )
+        if self.pp > 1:
+            dist.all_reduce(local_sq, group=self._pp_group())
+        total = local_sq.sqrt()
+        if max_norm is not None and math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
+        return total
+
+
+PipelineParallelStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,192 @@
+"""Hydra entry point: compose -> validate -> build -> trainer.fit -> summary.json.
+
+    python -m pipetrain.train [overrides]      (the console script pipetrain-train is the same)
+
+Lightning's subprocess launcher re-runs this command for ranks 1..n-1 with the same run dir; under
+torchrun every rank runs it. A config that cannot work fails in :func:`pipetrain.config.validate`
+before any process is started, with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pipetrain.config import register_configs, validate
+
+
+def config_dir() -> str:
+    """conf/ inside an installed wheel, else the repository's conf/ (editable install)."""
+    packaged = Path(__file__).parent / "conf"
+    return str(packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "conf")
+
+
+def _accelerator(cfg: DictConfig, processes_per_node: int) -> str:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wanted = cfg.trainer.accelerator
+    if wanted == "cpu" or (wanted == "auto" and gpus < processes_per_node):
+        return "cpu"
+    if gpus < processes_per_node:
+        warnings.warn(
+            f"trainer.accelerator=gpu but this machine has {gpus} GPU(s) for {processes_per_node} processes; "
+            "running them as CPU processes",
+            stacklevel=2,
+        )
+        return "cpu"
+    return "gpu"
+
+
+def _logger(cfg: DictConfig, run_dir: Path):
+    name = cfg.logger.name
+    if name == "none":
+        return False
+    if name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir=str(run_dir), name="csv", version="")
+    from lightning.pytorch.loggers import WandbLogger
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return WandbLogger(
+        project=cfg.logger.project,
+        group=cfg.logger.group,
+        name=run_dir.name,
+        save_dir=str(run_dir),
+        offline=cfg.logger.mode == "offline",
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def _median_after(values: list[float], skip: int) -> float | None:
+    kept = values[skip:] if len(values) > skip else values
+    return statistics.median(kept) if kept else None
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """Validate ``cfg``, train, and on global rank 0 return (and write) the run summary.
+
+    Raises:
+        ValueError: the config cannot work (raised before any process starts).
+    """
+    validate(cfg)
+
+    import lightning as L
+    import torch
+
+    from pipetrain.data.datamodule import TokenDataModule
+    from pipetrain.module import PipelineLM
+    from pipetrain.pipeline.render import render_grid, render_table
+    from pipetrain.strategy import PipelineParallelStrategy
+
+    par = cfg.parallel
+    world = par.dp * par.pp
+    nodes = cfg.trainer.num_nodes
+    if world % nodes:
+        raise ValueError(f"trainer.num_nodes={nodes} does not divide dp * pp = {world} processes")
+    accelerator = _accelerator(cfg, world // nodes)
+    if accelerator == "cpu" and cfg.trainer.cpu_threads_per_process:
+        torch.set_num_threads(cfg.trainer.cpu_threads_per_process)
+
+    model_cfg = OmegaConf.to_object(cfg.model)
+    strategy = PipelineParallelStrategy(
+        pp=par.pp,
+        vpp=par.vpp,
+        dp=par.dp,
+        num_microbatches=par.num_microbatches,
+        schedule=cfg.schedule.name,
+        n_layer=model_cfg.n_layer,
+        placement=par.placement,
+        timeout_s=par.timeout_s,
+    )
+    module = PipelineLM(
+        model_cfg,
+        OmegaConf.to_object(cfg.optim),
+        seed=cfg.seed,
+        max_steps=cfg.trainer.max_steps,
+        precision=cfg.trainer.precision,
+        dump_grads_step=cfg.debug.dump_grads_step,
+    )
+    datamodule = TokenDataModule(
+        cfg.data, num_microbatches=par.num_microbatches, seed=cfg.seed, max_steps=cfg.trainer.max_steps
+    )
+    val_every = cfg.trainer.val_check_interval
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=world // nodes,
+        num_nodes=nodes,
+        strategy=strategy,
+        precision=cfg.trainer.precision,
+        max_steps=cfg.trainer.max_steps,
+        logger=_logger(cfg, run_dir),
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        val_check_interval=val_every if val_every else None,
+        check_val_every_n_epoch=None if val_every else 1,
+        limit_val_batches=cfg.data.val_batches if val_every else 0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_model_summary=False,
+        default_root_dir=str(run_dir),
+    )
+    trainer.fit(module, datamodule=datamodule)
+    if not trainer.is_global_zero:
+        return None
+
+    (run_dir / "schedule.txt").write_text(render_table(strategy.table) + "\n\n" + render_grid(strategy.table) + "\n")
+    skip = cfg.timing_warmup_steps
+    tokens_per_step = cfg.data.micro_batch_size * par.num_microbatches * par.dp * cfg.data.seq_len
+    step_time = _median_after(module.step_times, skip)
+    summary = {
+        "train_loss": module.train_losses,
+        "val_loss": module.val_losses[-1] if module.val_losses else None,
+        "val_losses": module.val_losses,
+        "tokens_per_s": tokens_per_step / step_time if step_time else None,
+        "step_time_s": step_time,
+        "steps": len(module.train_losses),
+        "world_size": trainer.world_size,
+        "accelerator": accelerator,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
+def _hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        summary = train(cfg, run_dir)
+    except ValueError as err:
+        if "Trainer" in type(err).__module__:
+            raise
+        print(f"pipetrain: config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if summary is not None:
+        losses = summary["train_loss"]
+        print(
+            f"pipetrain: {summary['steps']} steps, train loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            f"val loss {summary['val_loss']}, {summary['tokens_per_s'] or 0:.0f} tokens/s; "
+            f"summary: {run_dir / 'summary.json'}"
+        )
+
+
+def main() -> None:
+    """Console-script entry point (``pipetrain-train``)."""
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
