@@ -181,6 +181,9 @@ class DebugConfig:
     # After the backward of this optimizer step (1-based), each rank saves its gradients, keyed
     # by global parameter name, to <run dir>/grads_rank<r>.pt. null disables.
     dump_grads_step: int | None = None
+    # At the end of training each rank saves its parameters by global name to
+    # <run dir>/params_rank<r>.pt.
+    dump_params: bool = False
 
 
 @dataclass

@@ -50,7 +50,15 @@ class PipelineLM(L.LightningModule):
     """
 
     def __init__(
-        self, model_cfg, optim_cfg, *, seed: int, max_steps: int, precision: str, dump_grads_step: int | None = None
+        self,
+        model_cfg,
+        optim_cfg,
+        *,
+        seed: int,
+        max_steps: int,
+        precision: str,
+        dump_grads_step: int | None = None,
+        dump_params: bool = False,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -60,6 +68,8 @@ class PipelineLM(L.LightningModule):
         self.max_steps = max_steps
         self.comm_dtype = comm_dtype_for(precision)
         self.dump_grads_step = dump_grads_step
+        self.dump_params = dump_params
+        self.grad_norms: list[float] = []
         self.chunks: nn.ModuleDict | None = None
         self.train_losses: list[float] = []
         self.step_times: list[float] = []
@@ -156,6 +166,7 @@ class PipelineLM(L.LightningModule):
         tokens = batch.shape[0] * (batch.shape[1] - 1) * strategy.dp
         self.train_losses.append(loss.item())
         self.step_times.append(step_time)
+        self.grad_norms.append(grad_norm.item())
         self.log("train/loss", loss, on_step=True, prog_bar=True)
         self.log("train/lr", lr, on_step=True)
         self.log("train/grad_norm", grad_norm, on_step=True)
@@ -167,6 +178,12 @@ class PipelineLM(L.LightningModule):
         params = self.named_global_parameters()
         grads = {n: p.grad.detach().cpu().clone() for n, p in params.items() if p.grad is not None}
         torch.save(grads, Path(self.trainer.default_root_dir) / f"grads_rank{global_rank}.pt")
+
+    def on_train_end(self) -> None:
+        if self.dump_params:
+            params = {n: p.detach().cpu().clone() for n, p in self.named_global_parameters().items()}
+            rank = self.trainer.strategy.global_rank
+            torch.save(params, Path(self.trainer.default_root_dir) / f"params_rank{rank}.pt")
 
     # ------------------------------------------------------------------ validation
 

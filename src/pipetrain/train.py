@@ -114,6 +114,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         max_steps=cfg.trainer.max_steps,
         precision=cfg.trainer.precision,
         dump_grads_step=cfg.debug.dump_grads_step,
+        dump_params=cfg.debug.dump_params,
     )
     datamodule = TokenDataModule(
         cfg.data, num_microbatches=par.num_microbatches, seed=cfg.seed, max_steps=cfg.trainer.max_steps
@@ -150,6 +151,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         "train_loss": module.train_losses,
         "val_loss": module.val_losses[-1] if module.val_losses else None,
         "val_losses": module.val_losses,
+        "grad_norm": module.grad_norms,
         "tokens_per_s": tokens_per_step / step_time if step_time else None,
         "step_time_s": step_time,
         "steps": len(module.train_losses),
