@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import load_rank_files, merged, relative_error, train_run
 
+from conftest import load_rank_files, merged, relative_error, train_run
 from pipetrain.pipeline.partition import partition
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,12 @@ TOL = 1e-5
 # reordering noise in gradients that are zero in exact arithmetic (GPT-2's key bias: softmax is
 # invariant to it) becomes an update of its own. Losses and gradients keep the 1e-5 bound.
 TOL_WEIGHTS = 1e-4
-COMMON = ("parallel.num_microbatches=4", f"trainer.max_steps={STEPS}", "debug.dump_grads_step=1", "debug.dump_params=true")
+COMMON = (
+    "parallel.num_microbatches=4",
+    f"trainer.max_steps={STEPS}",
+    "debug.dump_grads_step=1",
+    "debug.dump_params=true",
+)
 
 # (schedule, pp, vpp, n_layer); n_layer 7 is not a multiple of pp * vpp: an uneven split.
 CASES = [
@@ -109,9 +114,7 @@ def test_pipeline_equals_unpipelined(tmp_path, tmp_path_factory, model, schedule
 def test_clipped_steps_equal_unpipelined(tmp_path, tmp_path_factory, model):
     clip = "optim.grad_clip=0.05"
     ref_summary, _, ref_params = _reference(tmp_path_factory, model, 8, clip)
-    summary = train_run(
-        tmp_path, f"model={model}", "model.n_layer=8", "schedule=1f1b", "parallel.pp=2", *COMMON, clip
-    )
+    summary = train_run(tmp_path, f"model={model}", "model.n_layer=8", "schedule=1f1b", "parallel.pp=2", *COMMON, clip)
     # The global norm (one norm over all stages) is what the unpipelined model measures ...
     for got, want in zip(summary["grad_norm"], ref_summary["grad_norm"], strict=True):
         assert abs(got - want) <= TOL * want

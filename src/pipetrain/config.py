@@ -207,6 +207,18 @@ class TrainConfig:
 # registration and validation
 # --------------------------------------------------------------------------------------------
 
+
+@dataclass
+class ScheduleCliConfig:
+    """Root of conf/schedule_cli.yaml: what ``python -m pipetrain.schedule`` reads."""
+
+    model: Any = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # text: the table and the lock-step grid; table; grid; json: one JSON object.
+    format: str = "text"
+
+
 LOGGERS = ("wandb", "csv", "none")
 ACCELERATORS = ("auto", "cpu", "gpu")
 
@@ -222,6 +234,7 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="schedule_cli_schema", node=ScheduleCliConfig)
     cs.store(group="model", name="gpt2_schema", node=GPT2Config)
     cs.store(group="model", name="llama3_schema", node=Llama3Config)
 

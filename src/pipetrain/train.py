@@ -166,14 +166,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf.errors import OmegaConfBaseException
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = train(cfg, run_dir)
-    except ValueError as err:
-        if "Trainer" in type(err).__module__:
-            raise
-        print(f"pipetrain: config error: {err}", file=sys.stderr)
+    except (ValueError, OmegaConfBaseException) as err:
+        # validate() raises before any process starts; the message names the key and the fix.
+        print(f"pipetrain: config error: {' '.join(str(err).split())}", file=sys.stderr)
         sys.exit(2)
     if summary is not None:
         losses = summary["train_loss"]
