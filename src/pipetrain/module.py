@@ -158,7 +158,9 @@ class PipelineLM(L.LightningModule):
         strategy.sync_tied_gradients(self.tied_pairs())
         if self.dump_grads_step is not None and self.global_step + 1 == self.dump_grads_step:
             self._dump_grads(strategy.global_rank)
-        grad_norm = strategy.clip_grad_norm(self.norm_parameters(), self.optim_cfg.grad_clip)
+        grad_norm = strategy.clip_grad_norm(
+            list(self.named_global_parameters().values()), self.optim_cfg.grad_clip, norm_params=self.norm_parameters()
+        )
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()

@@ -270,18 +270,22 @@ class PipelineParallelStrategy(ParallelStrategy):
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self._tied_group)
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
-        """One global L2 norm over all stages' gradients; scale every stage's gradients by it.
+    def clip_grad_norm(
+        self, params: list[nn.Parameter], max_norm: float | None, *, norm_params: list[nn.Parameter]
+    ) -> torch.Tensor:
+        """One global L2 norm over all stages' gradients; scale every local gradient by it.
 
         Args:
-            params: this rank's parameters, each counted once across the pipeline (leave out the
-                head-side copy of a tied weight held on another rank than its embedding).
+            params: all of this rank's parameters: every one of them is clipped.
             max_norm: clip threshold, or None to only measure.
+            norm_params: the subset that enters the norm, each weight counted once across the
+                pipeline (a tied head copy held away from its embedding is left out: its
+                gradient equals the embedding's, which the first rank already counts).
 
         Returns:
             The global gradient norm before clipping (0-dim fp32 tensor), the same on all ranks.
         """
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in norm_params if p.grad is not None]
         local_sq = (
             torch.nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
             if grads
