@@ -198,6 +198,13 @@ def test_check_finds_cross_rank_deadlock():
     assert "rank 1 step 1 1F1 waits for 0F1" in str(err.value)
 
 
+def test_check_finds_receives_out_of_send_order():
+    # No deadlock with tagged receives, but NCCL would hand 1F1 the activation of microbatch 0.
+    actions = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F1", "1F0", "1B0", "1B1"]}
+    with pytest.raises(ScheduleError, match="rank 0 sends activation of stage 0 microbatch 0 as its message #0"):
+        check(_table(actions))
+
+
 def test_lockstep_of_gpipe_pp2():
     table = build_schedule("gpipe", pp=2, vpp=1, num_microbatches=2)
     steps = {r: [(t, str(a)) for t, a in tl] for r, tl in lockstep(table).items()}

@@ -6,10 +6,13 @@
    placement gives it, and nothing else;
 2. order: on one rank, an action never comes before a local action it depends on (B before its F,
    F of stage s+1 before F of stage s when both are local);
-3. progress: when every rank runs its list in order, sending without blocking and blocking on
+3. channel order: between any two ranks, in each direction, messages are received in the order
+   they are sent. Tags make gloo match a receive to its own message, but NCCL matches
+   point-to-point operations by order alone, so the same table must be right without tags;
+4. progress: when every rank runs its list in order, sending without blocking and blocking on
    each receive (exactly what the executor does), all ranks finish: no cross-rank deadlock.
 
-(3) is decided by running the table in lock step: at each step every rank whose next action has
+(4) is decided by running the table in lock step: at each step every rank whose next action has
 its inputs runs it; a message sent at step t can be received at step t + 1. If at some step no
 rank can move, the table deadlocks, and the error names each blocked rank, its step and action.
 """
@@ -126,7 +129,49 @@ def lockstep(table: ScheduleTable) -> dict[int, list[tuple[int, Action]]]:
     return timeline
 
 
+def messages(table: ScheduleTable) -> dict[tuple[int, int], tuple[list, list]]:
+    """Per directed rank pair (src, dst): (messages in src's send order, in dst's receive order).
+
+    A message is ("activation", stage it leaves, microbatch) or ("gradient", stage, microbatch).
+    """
+    n = table.num_stages
+    channels: dict[tuple[int, int], tuple[list, list]] = {}
+
+    def note(src: int, dst: int, which: int, msg: tuple) -> None:
+        if src != dst:
+            channels.setdefault((src, dst), ([], []))[which].append(msg)
+
+    for rank, acts in table.actions.items():
+        for a in acts:
+            s, mb = a.stage, a.microbatch
+            if a.kind == FORWARD:
+                if s > 0:
+                    note(table.placement[s - 1], rank, 1, ("activation", s - 1, mb))
+                if s < n - 1:
+                    note(rank, table.placement[s + 1], 0, ("activation", s, mb))
+            else:
+                if s < n - 1:
+                    note(table.placement[s + 1], rank, 1, ("gradient", s + 1, mb))
+                if s > 0:
+                    note(rank, table.placement[s - 1], 0, ("gradient", s, mb))
+    return channels
+
+
+def _check_channel_order(table: ScheduleTable) -> None:
+    for (src, dst), (sent, received) in sorted(messages(table).items()):
+        for i, (out, into) in enumerate(zip(sent, received, strict=True)):
+            if out != into:
+                raise ScheduleError(
+                    f"rank {src} sends {out[0]} of stage {out[1]} microbatch {out[2]} as its message #{i} to "
+                    f"rank {dst}, which receives {into[0]} of stage {into[1]} microbatch {into[2]} there; "
+                    "NCCL matches messages by order, so receives must follow the send order",
+                    rank=dst,
+                )
+
+
 def check(table: ScheduleTable) -> None:
-    """Raise :class:`ScheduleError` unless ``table`` is complete, ordered and deadlock-free."""
+    """Raise :class:`ScheduleError` unless ``table`` is complete, ordered, channel-ordered and
+    deadlock-free (see the module docstring)."""
     _check_complete(table)
     lockstep(table)
+    _check_channel_order(table)
