@@ -126,3 +126,23 @@ def test_clipped_steps_equal_unpipelined(tmp_path, tmp_path_factory, model):
     _assert_close_by_name(merged(params), ref_params, "clipped weight", TOL_WEIGHTS)
     if model == "gpt2":  # the head-side copy is clipped with the same coefficient as the embedding
         assert (params[0]["embed.wte.weight"] == params[1]["head.lm_head.weight"]).all()
+
+
+def test_torchrun_gives_the_losses_of_the_lightning_launcher(tmp_path):
+    import sys
+
+    args = (
+        "model=gpt2",
+        "model.n_layer=4",
+        "schedule=1f1b",
+        "parallel.pp=2",
+        "parallel.num_microbatches=4",
+        "trainer.max_steps=4",
+    )
+    by_lightning = train_run(tmp_path / "lightning", *args)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    by_torchrun = train_run(tmp_path / "torchrun", *args, launcher=torchrun)
+    assert by_torchrun["world_size"] == by_lightning["world_size"] == 2
+    # Same processes, same arithmetic: the losses are bitwise equal, not merely close.
+    assert by_torchrun["train_loss"] == by_lightning["train_loss"]
+    assert by_lightning["train_loss"][-1] < by_lightning["train_loss"][0]
