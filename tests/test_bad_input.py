@@ -30,6 +30,7 @@ CASES = {
         "parallel.num_microbatches",
     ),
     "misspelled key": (["parallel.ppp=2"], "parallel.ppp"),
+    "added unknown key": (["+parallel.num_microbatch=8"], "did you mean parallel.num_microbatches?"),
     "key of another model family": (["model=gpt2", "model.n_kv_head=2"], "n_kv_head"),
     "llmc without a file": (["data=llmc"], "data.train_bin"),
     "missing data file": (["data=llmc", "data.train_bin=/nonexistent/tokens.bin"], "/nonexistent/tokens.bin"),

@@ -63,3 +63,14 @@ def test_cli_text_shows_layout_costs_table_and_grid():
     # 1F1B, pp=2, m=4, F=1, B=2: makespan 3 * (m + pp - 1) = 15, bubble 1/5.
     assert "makespan 15, bubble rank 0 0.200, rank 1 0.200" in out
     assert "global chunk" in out and "rank 1: " in out
+
+
+def test_cli_prints_the_table_even_when_the_model_has_too_few_layers_for_a_layout():
+    out = render(["schedule=interleaved_1f1b", "parallel.pp=4", "parallel.vpp=2", "parallel.num_microbatches=8"])
+    assert "layer layout: model.n_layer=4 is fewer than the 8 chunks" in out
+    assert "rank 3 (stages 3, 7)" in out
+
+
+def test_cli_rejects_added_unknown_keys():
+    with pytest.raises(ValueError, match="did you mean parallel.num_microbatches"):
+        render(["+parallel.num_microbatch=8"])

@@ -226,17 +226,37 @@ ACCELERATORS = ("auto", "cpu", "gpu")
 def register_configs() -> None:
     """Register the schema in Hydra's ConfigStore (idempotent).
 
-    ``train_schema`` types the root; ``model/gpt2_schema`` and ``model/llama3_schema`` type the
-    model group, so an override of a key that a family lacks (``model.n_kv_head`` on GPT-2)
-    fails at compose time.
+    ``train_schema`` types the root; ``schema/model/gpt2`` and ``schema/model/llama3`` type the
+    model group's files (kept out of the ``model`` group so they are not offered as options),
+    so an override of a key that a family lacks (``model.n_kv_head`` on GPT-2) fails at
+    compose time.
     """
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="schedule_cli_schema", node=ScheduleCliConfig)
-    cs.store(group="model", name="gpt2_schema", node=GPT2Config)
-    cs.store(group="model", name="llama3_schema", node=Llama3Config)
+    cs.store(group="schema/model", name="gpt2", node=GPT2Config)
+    cs.store(group="schema/model", name="llama3", node=Llama3Config)
+
+
+def reject_unknown_keys(node: Any, prefix: str = "") -> None:
+    """Reject keys that a typed node's dataclass lacks (added with Hydra's ``+key=value``)."""
+    import dataclasses
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(node, DictConfig):
+        return
+    schema = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        if fields is not None and key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(sorted(fields))}"
+            raise ValueError(f"{prefix}{key} is not a config key; {hint}")
+        reject_unknown_keys(node._get_node(key), f"{prefix}{key}.")
 
 
 def _positive(key: str, value: int) -> None:
@@ -256,6 +276,8 @@ def validate(cfg: Any) -> None:
     from pipetrain.pipeline.partition import partition
     from pipetrain.pipeline.schedules import build_schedule
 
+    for section in ("model", "parallel", "schedule", "data", "optim", "trainer", "logger", "debug"):
+        reject_unknown_keys(cfg[section], f"{section}.")
     par, model, data = cfg.parallel, cfg.model, cfg.data
     for key, value in (
         ("parallel.pp", par.pp),

@@ -39,12 +39,15 @@ def render_config(cfg) -> str:
     Raises:
         ValueError: bad sizes, unknown schedule or format, or a table that fails ``check``.
     """
+    from pipetrain.config import reject_unknown_keys
     from pipetrain.pipeline.check import check
     from pipetrain.pipeline.partition import partition
     from pipetrain.pipeline.render import render_grid, render_table
     from pipetrain.pipeline.schedules import build_schedule
     from pipetrain.pipeline.simulate import simulate
 
+    for section in ("model", "parallel", "schedule"):
+        reject_unknown_keys(cfg[section], f"{section}.")
     if cfg.format not in FORMATS:
         raise ValueError(f"format={cfg.format!r} is unknown; use one of {FORMATS}")
     par = cfg.parallel
@@ -56,12 +59,18 @@ def render_config(cfg) -> str:
         return render_table(table)
     if cfg.format == "grid":
         return render_grid(table)
-    infos = partition(cfg.model.n_layer, pp=par.pp, vpp=par.vpp, placement=par.placement)
-    layout = [
-        f"rank {i.rank}: "
-        + ", ".join(f"stage {s} layers [{b}, {e})" for s, (b, e) in zip(i.stages, i.chunk_layer_ranges, strict=True))
-        for i in infos
-    ]
+    try:
+        infos = partition(cfg.model.n_layer, pp=par.pp, vpp=par.vpp, placement=par.placement)
+        layout = [
+            f"rank {i.rank}: "
+            + ", ".join(
+                f"stage {s} layers [{b}, {e})" for s, (b, e) in zip(i.stages, i.chunk_layer_ranges, strict=True)
+            )
+            for i in infos
+        ]
+    except ValueError as err:
+        # The table does not depend on the model; the layer layout does. Show the table anyway.
+        layout = [f"layer layout: {err}"]
     sim = simulate(table, forward=1.0, backward=2.0)
     costs = (
         f"unit costs F=1 B=2: makespan {sim.makespan:g}, bubble "

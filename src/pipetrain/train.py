@@ -78,6 +78,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         ValueError: the config cannot work (raised before any process starts).
     """
     validate(cfg)
+    # Every rank holds the same broadcast validation loss, so Lightning's advice to sync it is moot.
+    warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
+    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; nothing for users to do.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
     import lightning as L
     import torch
@@ -179,7 +183,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         losses = summary["train_loss"]
         print(
             f"pipetrain: {summary['steps']} steps, train loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-            f"val loss {summary['val_loss']}, {summary['tokens_per_s'] or 0:.0f} tokens/s; "
+            f"val loss {'n/a' if summary['val_loss'] is None else format(summary['val_loss'], '.4f')}, "
+            f"{summary['tokens_per_s'] or 0:.0f} tokens/s; "
             f"summary: {run_dir / 'summary.json'}"
         )
 
