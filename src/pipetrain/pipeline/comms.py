@@ -44,7 +44,9 @@ class P2PComms:
     def send(self, tensor: torch.Tensor, *, peer: int, tag: int) -> None:
         """Send ``tensor`` to pp rank ``peer`` without waiting for it to be received."""
         if peer == self.rank:
-            self._local[tag] = tensor
+            # Detached, so the receiving stage starts a graph of its own: its input is a leaf
+            # whose .grad is what its backward sends on, exactly as after a real transfer.
+            self._local[tag] = tensor.detach()
             return
         payload = tensor.detach().to(self.dtype).contiguous()
         op = dist.P2POp(dist.isend, payload, group=self.group, group_peer=peer, tag=tag)
