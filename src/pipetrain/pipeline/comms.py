@@ -1,7 +1,12 @@
 """Point-to-point transport of activations and their gradients between pipeline ranks.
 
 Sends are asynchronous (the executor never waits on a send before its next action) and receives
-block: the semantics :func:`pipetrain.pipeline.check.check` proves deadlock-free. Every message
+block: the semantics :func:`pipetrain.pipeline.check.check` proves deadlock-free. A send is posted
+together with the next receive, in one ``batch_isend_irecv``, or alone when the next action
+receives nothing. On NCCL a lone send can hold its stream until the peer posts the matching
+receive; grouping the 1F1B exchange "send activation to r+1, receive gradient from r+1" with its
+mirror image on r+1 lets NCCL match both at once (what torch.distributed.pipelining and
+Megatron-LM's send_forward_recv_backward do). Every message
 carries a tag derived from (direction, stage, microbatch), so a receive matches its own message
 even when one rank pair carries activations and gradients in both directions (interleaved
 schedules). Messages between two stages of the same rank never touch the process group.
@@ -38,6 +43,7 @@ class P2PComms:
     rank: int
     device: torch.device
     dtype: torch.dtype
+    _outbox: list = field(default_factory=list)
     _pending: list = field(default_factory=list)
     _local: dict = field(default_factory=dict)
 
@@ -49,10 +55,28 @@ class P2PComms:
             self._local[tag] = tensor.detach()
             return
         payload = tensor.detach().to(self.dtype).contiguous()
-        op = dist.P2POp(dist.isend, payload, group=self.group, group_peer=peer, tag=tag)
-        # Keep the payload alive until the send completes: the transport reads it asynchronously.
-        self._pending += [(work, payload) for work in dist.batch_isend_irecv([op])]
-        self._pending = [(w, p) for w, p in self._pending if not w.is_completed()]
+        self._outbox.append(dist.P2POp(dist.isend, payload, group=self.group, group_peer=peer, tag=tag))
+
+    def post_sends(self) -> None:
+        """Post the queued sends on their own (the next action receives nothing)."""
+        if self._outbox:
+            self._post([])
+
+    def _post(self, receives: list) -> list:
+        """Post queued sends and ``receives`` as one batch; return the works to wait on."""
+        ops, self._outbox = self._outbox + receives, []
+        works = dist.batch_isend_irecv(ops)
+        # Keep every payload alive until its send completes: the transport reads it asynchronously.
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        if len(works) == len(ops):
+            # One work per op (gloo): wait on the receives only; sends finish in the background.
+            n_sends = len(ops) - len(receives)
+            self._pending += [(w, op.tensor) for w, op in zip(works[:n_sends], ops[:n_sends], strict=True)]
+            return works[n_sends:]
+        # Coalesced (NCCL): one work for the whole group; waiting orders the GPU streams, it does
+        # not block the host.
+        self._pending += [(w, tuple(op.tensor for op in ops)) for w in works]
+        return works if receives else []
 
     def recv(self, shape: tuple[int, ...], *, peer: int, tag: int) -> torch.Tensor:
         """Block until the message ``tag`` from pp rank ``peer`` arrives; return it as a new tensor."""
@@ -60,12 +84,13 @@ class P2PComms:
             return self._local.pop(tag)
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
         op = dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer, tag=tag)
-        for work in dist.batch_isend_irecv([op]):
+        for work in self._post([op]):
             work.wait()
         return buffer
 
     def flush(self) -> None:
-        """Wait for every outstanding send (end of a step)."""
+        """Post what is queued and wait for every outstanding send (end of a step)."""
+        self.post_sends()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()

@@ -101,6 +101,7 @@ class PipelineExecutor:
                 s, mb = action.stage, action.microbatch
                 if action.kind == FORWARD:
                     if s == 0:
+                        self.comms.post_sends()
                         x = None
                         out = self.chunks[s](inputs[mb])
                     else:
@@ -122,6 +123,7 @@ class PipelineExecutor:
                         continue
                     x, out = stash.pop((s, mb))
                     if s == self.last_stage:
+                        self.comms.post_sends()
                         torch.autograd.backward(out)
                     else:
                         grad = self.comms.recv(out.shape, peer=self._peer(s + 1), tag=self._tag(GRADIENT, s + 1, mb))
