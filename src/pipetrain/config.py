@@ -220,7 +220,9 @@ class ScheduleCliConfig:
 
 
 LOGGERS = ("wandb", "csv", "none")
+LOGGER_MODES = ("offline", "online")
 ACCELERATORS = ("auto", "cpu", "gpu")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
 def register_configs() -> None:
@@ -259,6 +261,49 @@ def reject_unknown_keys(node: Any, prefix: str = "") -> None:
         reject_unknown_keys(node._get_node(key), f"{prefix}{key}.")
 
 
+def _launched_externally() -> bool:
+    import os
+
+    return "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_NTASKS" in os.environ
+
+
+def _validate_optim(optim: Any) -> None:
+    if not optim.lr > 0:
+        raise ValueError(f"optim.lr={optim.lr} must be > 0")
+    for key in ("beta1", "beta2"):
+        if not 0 <= optim[key] < 1:
+            raise ValueError(f"optim.{key}={optim[key]} must be in [0, 1)")
+    if not optim.eps > 0:
+        raise ValueError(f"optim.eps={optim.eps} must be > 0")
+    if optim.weight_decay < 0:
+        raise ValueError(f"optim.weight_decay={optim.weight_decay} must be >= 0")
+    if optim.warmup_steps < 0:
+        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} must be >= 0")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        raise ValueError(f"optim.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1]")
+    if optim.grad_clip is not None and not optim.grad_clip > 0:
+        raise ValueError(f"optim.grad_clip={optim.grad_clip} must be > 0, or null to disable clipping")
+
+
+def _validate_vocab(cfg: Any) -> None:
+    """The embedding must have a row for every token id the data can hold."""
+    from pipetrain.data.datamodule import load_splits
+
+    vocab = cfg.model.vocab_size
+    splits = load_splits(cfg.data)
+    if vocab >= splits.vocab_bound:
+        return
+    # The file's dtype allows larger ids than the model has rows: look at the ids it really holds.
+    from pipetrain.data.datamodule import TokenDataModule
+
+    largest = TokenDataModule(cfg.data, num_microbatches=1, seed=0, max_steps=1).max_token_id()
+    if largest >= vocab:
+        raise ValueError(
+            f"model.vocab_size={vocab} is too small for data.name={cfg.data.name}: it holds token id {largest}; "
+            f"use model.vocab_size >= {largest + 1}"
+        )
+
+
 def _positive(key: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"{key}={value} must be >= 1")
@@ -278,34 +323,32 @@ def validate(cfg: Any) -> None:
 
     for section in ("model", "parallel", "schedule", "data", "optim", "trainer", "logger", "debug"):
         reject_unknown_keys(cfg[section], f"{section}.")
-    par, model, data = cfg.parallel, cfg.model, cfg.data
-    for key, value in (
+    par, model, data, trainer, optim = cfg.parallel, cfg.model, cfg.data, cfg.trainer, cfg.optim
+    sizes = [
         ("parallel.pp", par.pp),
         ("parallel.vpp", par.vpp),
         ("parallel.dp", par.dp),
         ("parallel.num_microbatches", par.num_microbatches),
+        ("parallel.timeout_s", par.timeout_s),
         ("data.micro_batch_size", data.micro_batch_size),
         ("data.seq_len", data.seq_len),
         ("model.n_layer", model.n_layer),
+        ("model.n_embd", model.n_embd),
         ("model.n_head", model.n_head),
-        ("trainer.max_steps", cfg.trainer.max_steps),
-    ):
+        ("model.vocab_size", model.vocab_size),
+        ("model.block_size", model.block_size),
+        ("trainer.max_steps", trainer.max_steps),
+        ("trainer.num_nodes", trainer.num_nodes),
+    ]
+    if "n_kv_head" in model:
+        sizes.append(("model.n_kv_head", model.n_kv_head))
+    for key, value in sizes:
         _positive(key, value)
     if par.dp != 1:
         raise ValueError(f"parallel.dp={par.dp} is not supported yet; use parallel.dp=1")
     if model.family not in MODEL_FAMILIES:
         raise ValueError(f"model.family={model.family!r} is unknown; use one of {sorted(MODEL_FAMILIES)}")
-    if model.n_embd % model.n_head:
-        raise ValueError(
-            f"model.n_embd={model.n_embd} is not divisible by model.n_head={model.n_head}; "
-            f"pick n_head among the divisors of n_embd"
-        )
-    n_kv_head = getattr(model, "n_kv_head", None)
-    if n_kv_head is not None and (n_kv_head < 1 or model.n_head % n_kv_head):
-        raise ValueError(
-            f"model.n_head={model.n_head} is not divisible by model.n_kv_head={n_kv_head}; "
-            f"use an n_kv_head that divides n_head"
-        )
+    MODEL_FAMILIES[model.family].validate_config(model)
     if data.seq_len > model.block_size:
         raise ValueError(
             f"data.seq_len={data.seq_len} exceeds model.block_size={model.block_size}; "
@@ -313,8 +356,31 @@ def validate(cfg: Any) -> None:
         )
     partition(model.n_layer, pp=par.pp, vpp=par.vpp, placement=par.placement)
     check(build_schedule(cfg.schedule.name, pp=par.pp, vpp=par.vpp, num_microbatches=par.num_microbatches))
+    _validate_optim(optim)
+    if trainer.val_check_interval < 0:
+        raise ValueError(
+            f"trainer.val_check_interval={trainer.val_check_interval} must be >= 0 (0 disables validation)"
+        )
+    if trainer.precision not in PRECISIONS:
+        raise ValueError(
+            f"trainer.precision={trainer.precision!r} is not supported; use one of {PRECISIONS} "
+            "(fp16 needs loss scaling across the pipeline, which pipetrain does not do)"
+        )
+    if trainer.accelerator not in ACCELERATORS:
+        raise ValueError(f"trainer.accelerator={trainer.accelerator!r} is unknown; use one of {ACCELERATORS}")
+    if (par.dp * par.pp) % trainer.num_nodes:
+        raise ValueError(
+            f"trainer.num_nodes={trainer.num_nodes} does not divide the {par.dp * par.pp} processes "
+            "(parallel.dp * parallel.pp); use a divisor"
+        )
+    if trainer.num_nodes > 1 and not _launched_externally():
+        raise ValueError(
+            f"trainer.num_nodes={trainer.num_nodes} needs processes started on every node by torchrun or "
+            "SLURM (srun); a plain command starts one node's processes only"
+        )
     if cfg.logger.name not in LOGGERS:
         raise ValueError(f"logger.name={cfg.logger.name!r} is unknown; use one of {LOGGERS}")
-    if cfg.trainer.accelerator not in ACCELERATORS:
-        raise ValueError(f"trainer.accelerator={cfg.trainer.accelerator!r} is unknown; use one of {ACCELERATORS}")
+    if cfg.logger.mode not in LOGGER_MODES:
+        raise ValueError(f"logger.mode={cfg.logger.mode!r} is unknown; use one of {LOGGER_MODES}")
     validate_data(data)
+    _validate_vocab(cfg)

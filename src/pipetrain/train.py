@@ -72,12 +72,7 @@ def _median_after(values: list[float], skip: int) -> float | None:
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict | None:
-    """Validate ``cfg``, train, and on global rank 0 return (and write) the run summary.
-
-    Raises:
-        ValueError: the config cannot work (raised before any process starts).
-    """
-    validate(cfg)
+    """Train a validated ``cfg``; on global rank 0 return (and write) the run summary."""
     # Every rank holds the same broadcast validation loss, so Lightning's advice to sync it is moot.
     warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
     # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; nothing for users to do.
@@ -94,8 +89,6 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     par = cfg.parallel
     world = par.dp * par.pp
     nodes = cfg.trainer.num_nodes
-    if world % nodes:
-        raise ValueError(f"trainer.num_nodes={nodes} does not divide dp * pp = {world} processes")
     accelerator = _accelerator(cfg, world // nodes)
     if accelerator == "cpu" and cfg.trainer.cpu_threads_per_process:
         torch.set_num_threads(cfg.trainer.cpu_threads_per_process)
@@ -174,11 +167,12 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        summary = train(cfg, run_dir)
+        validate(cfg)
     except (ValueError, OmegaConfBaseException) as err:
-        # validate() raises before any process starts; the message names the key and the fix.
+        # Before any process starts: one line naming the key, the value and the fix.
         print(f"pipetrain: config error: {' '.join(str(err).split())}", file=sys.stderr)
         sys.exit(2)
+    summary = train(cfg, run_dir)
     if summary is not None:
         losses = summary["train_loss"]
         print(
