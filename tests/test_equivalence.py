@@ -7,6 +7,7 @@ step 1 (by global parameter name) and every weight after the last step, within 1
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -149,3 +150,20 @@ def test_torchrun_gives_the_losses_of_the_lightning_launcher(tmp_path):
     # Same processes, same arithmetic: the losses are bitwise equal, not merely close.
     assert by_torchrun["train_loss"] == by_lightning["train_loss"]
     assert by_lightning["train_loss"][-1] < by_lightning["train_loss"][0]
+
+
+def test_multirun_runs_each_job_once_with_its_own_outputs(tmp_path):
+    from conftest import TINY, run_cli
+
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *TINY, "logger=wandb", "trainer.max_steps=3", "parallel.pp=2,1", f"hydra.sweep.dir={sweep}"]
+    proc = run_cli("pipetrain.train", args, env={"WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted(sweep.iterdir()) if d.is_dir()}
+    assert sorted(summaries) == ["0", "1"]
+    assert [s["world_size"] for s in summaries.values()] == [2, 1]
+    assert summaries["0"]["train_loss"] == pytest.approx(summaries["1"]["train_loss"], rel=TOL)
+    assert (sweep / "0" / "train_rank1.log").exists()  # the pp=2 job's second rank logged into its own job dir
+    for job in ("0", "1"):  # one wandb run per job
+        assert len(list((sweep / job / "wandb").glob("offline-run-*"))) == 1
+    assert proc.stdout.count("pipetrain: 3 steps") == 2  # each job trained once

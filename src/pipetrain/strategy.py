@@ -18,6 +18,9 @@ broadcast rank 0's weights, both wrong when ranks own different layers.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +38,79 @@ from pipetrain.pipeline.comms import P2PComms
 from pipetrain.pipeline.executor import PipelineExecutor
 from pipetrain.pipeline.partition import StageInfo, partition
 from pipetrain.pipeline.schedules import ScheduleTable, build_schedule
+
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def hydra_job_command(local_rank: int) -> list[str]:
+    """The command that starts rank ``local_rank`` of the current Hydra job, and only that job.
+
+    Lightning's own Hydra support re-runs ``sys.argv``: under ``--multirun`` every child would
+    run the whole sweep. Here a child gets this job's overrides, its output dir (quoted) and
+    ``hydra.mode=RUN``, so sweeps, including ones that set ``hydra.mode: MULTIRUN`` in config,
+    start exactly one job per child.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import to_absolute_path
+
+    import __main__
+
+    hc = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += [f"--config-name={hc.job.config_name}"]
+    command += [f"--config-dir={src.path}" for src in hc.runtime.config_sources if src.provider == "command-line"]
+    command += list(hc.overrides.task)
+    command += [
+        f'hydra.run.dir="{hc.runtime.output_dir}"',
+        f"hydra.job.name={hc.job.name}_rank{local_rank}",
+        "hydra.output_subdir=null",
+        "hydra.mode=RUN",
+    ]
+    return command
+
+
+class HydraJobLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess (popen) launcher, made safe for Hydra sweeps.
+
+    Children run :func:`hydra_job_command`; :meth:`restore_environment` undoes the launch
+    variables (``LOCAL_RANK``, ``MASTER_PORT``, ...) so that the next job of a sweep, in the same
+    process, starts its own children on a fresh port instead of waiting for peers that are gone.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._saved_env: dict[str, str | None] = {}
+
+    def _call_children_scripts(self) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.utils import get_original_cwd
+
+        self._saved_env = {key: os.environ.get(key) for key in _LAUNCH_ENV}
+        if not HydraConfig.initialized():
+            super()._call_children_scripts()
+            return
+        self._check_can_spawn_children()
+        self.procs = []
+        env = self.cluster_environment
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        os.environ["NODE_RANK"] = str(env.node_rank())
+        os.environ["LOCAL_RANK"] = str(env.local_rank())
+        os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
+        for local_rank in range(1, self.num_processes):
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            self.procs.append(subprocess.Popen(hydra_job_command(local_rank), env=child_env, cwd=get_original_cwd()))
+
+    def restore_environment(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
 
 
 class PipelineParallelStrategy(ParallelStrategy):
@@ -125,7 +201,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -179,8 +255,11 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         super().teardown()
+        # Leave the process clean for the next job of a sweep: no group, no launch variables.
         if _distributed_is_initialized():
             dist.destroy_process_group()
+        if isinstance(self._launcher, HydraJobLauncher):
+            self._launcher.restore_environment()
         self.mesh = None
         self._tied_group = None
 

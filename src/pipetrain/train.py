@@ -136,7 +136,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         enable_model_summary=False,
         default_root_dir=str(run_dir),
     )
-    trainer.fit(module, datamodule=datamodule)
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        if cfg.logger.name == "wandb":
+            import wandb
+
+            wandb.finish()  # a sweep's next job must not log into this job's run
     if not trainer.is_global_zero:
         return None
 
