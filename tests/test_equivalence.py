@@ -167,3 +167,34 @@ def test_multirun_runs_each_job_once_with_its_own_outputs(tmp_path):
     for job in ("0", "1"):  # one wandb run per job
         assert len(list((sweep / job / "wandb").glob("offline-run-*"))) == 1
     assert proc.stdout.count("pipetrain: 3 steps") == 2  # each job trained once
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama3"])
+def test_validation_loss_equals_unpipelined(tmp_path, model):
+    val = ("trainer.val_check_interval=2", "data.val_batches=2", "trainer.max_steps=4", "parallel.num_microbatches=4")
+    ref = train_run(tmp_path / "ref", f"model={model}", "parallel=pp1", *val)
+    got = train_run(
+        tmp_path / "pp", f"model={model}", "parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_1f1b", *val
+    )
+    assert len(ref["val_losses"]) == len(got["val_losses"]) == 2  # after steps 2 and 4
+    for a, b in zip(got["val_losses"], ref["val_losses"], strict=True):
+        assert abs(a - b) <= TOL * b
+    assert got["val_loss"] == got["val_losses"][-1]
+
+
+def test_default_main_job_learns_and_writes_its_summary(tmp_path):
+    """The README's main job, all defaults (wandb offline): last loss below 75% of the first."""
+    from conftest import run_cli
+
+    proc = run_cli("pipetrain.train", [f"hydra.run.dir={tmp_path}"], timeout=600, env={"WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    cfg = summary["config"]
+    assert cfg["parallel"]["pp"] >= 2 and cfg["data"]["name"] == "shakespeare"
+    losses = summary["train_loss"]
+    assert len(losses) == cfg["trainer"]["max_steps"]
+    assert losses[-1] < 0.75 * losses[0]
+    assert summary["val_loss"] is not None and summary["val_loss"] < 0.75 * losses[0]
+    assert summary["tokens_per_s"] > 0 and summary["step_time_s"] > 0
+    assert (tmp_path / "schedule.txt").read_text().startswith("schedule=1f1b pp=2")
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
