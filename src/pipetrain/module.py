@@ -46,7 +46,10 @@ class PipelineLM(L.LightningModule):
         seed: init seed; layer l's weights depend only on (seed, l).
         max_steps: optimizer steps of the run (for the LR schedule).
         precision: Lightning precision string (decides the wire dtype).
-        dump_grads_step: if set, save this rank's gradients after that step's backward.
+        dump_grads_step: if set, save this rank's gradients (by global name) after that step's
+            backward, before clipping, to <run dir>/grads_rank<r>.pt.
+        dump_params: save this rank's parameters (by global name) at the end of training to
+            <run dir>/params_rank<r>.pt.
     """
 
     def __init__(
@@ -125,6 +128,16 @@ class PipelineLM(L.LightningModule):
         skip = {h for e, h in chunk_cls.tied_weights if h in params and e not in params}
         return [p for n, p in params.items() if n not in skip]
 
+    def on_fit_start(self) -> None:
+        # The parameter lists a step needs, computed once (the parameters are fixed objects now
+        # that the model is on its device).
+        self._params = list(self.named_global_parameters().values())
+        self._tied = self.tied_pairs()
+        self._norm_params = self.norm_parameters()
+        # Dropout masks: reproducible per (seed, rank). With dropout > 0 a pipelined run draws
+        # other masks than the unpipelined one, which is why the equivalence tests use dropout 0.
+        torch.manual_seed(self.seed + 7919 * self.trainer.strategy.global_rank)
+
     # ------------------------------------------------------------------ optimization
 
     def configure_optimizers(self):
@@ -155,12 +168,10 @@ class PipelineLM(L.LightningModule):
         loss = strategy.run_schedule(
             self.chunk_map(), batch, hidden_dim=self.model_cfg.n_embd, comm_dtype=self.comm_dtype, train=True
         )
-        strategy.sync_tied_gradients(self.tied_pairs())
+        strategy.sync_tied_gradients(self._tied)
         if self.dump_grads_step is not None and self.global_step + 1 == self.dump_grads_step:
             self._dump_grads(strategy.global_rank)
-        grad_norm = strategy.clip_grad_norm(
-            list(self.named_global_parameters().values()), self.optim_cfg.grad_clip, norm_params=self.norm_parameters()
-        )
+        grad_norm = strategy.clip_grad_norm(self._params, self.optim_cfg.grad_clip, norm_params=self._norm_params)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()

@@ -39,6 +39,10 @@ from pipetrain.pipeline.executor import PipelineExecutor
 from pipetrain.pipeline.partition import StageInfo, partition
 from pipetrain.pipeline.schedules import ScheduleTable, build_schedule
 
+# Validation runs only forwards; GPipe's table is the one that runs every forward of a stage for
+# all microbatches before the next stage needs them, for any (pp, vpp, m).
+EVAL_SCHEDULE = "gpipe"
+
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
@@ -119,6 +123,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     Args:
         pp: pipeline-parallel degree (processes in the pipeline).
         vpp: stages per rank.
+        dp: data-parallel degree (only 1 is supported for now).
         num_microbatches: microbatches per optimizer step.
         schedule: registered schedule name (``pipetrain.pipeline.schedules.SCHEDULES``).
         n_layer: layers of the model, to partition.
@@ -170,7 +175,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.stage_infos: tuple[StageInfo, ...] = partition(n_layer, pp=pp, vpp=vpp, placement=placement)
         self.table: ScheduleTable = build_schedule(schedule, pp=pp, vpp=vpp, num_microbatches=num_microbatches)
         check(self.table)
-        self.eval_table: ScheduleTable = build_schedule("gpipe", pp=pp, vpp=vpp, num_microbatches=num_microbatches)
+        self.eval_table: ScheduleTable = build_schedule(
+            EVAL_SCHEDULE, pp=pp, vpp=vpp, num_microbatches=num_microbatches
+        )
+        check(self.eval_table)
         self.mesh: DeviceMesh | None = None
         self._tied_group: dist.ProcessGroup | None = None
 
@@ -304,7 +312,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             chunks: this rank's chunks keyed by global stage index.
             batch_BT1: this replica's token rows for the step, (rows, T + 1) int64; rows must
                 be a multiple of num_microbatches.
-            hidden_dim: D, the width of the activations sent between stages.
+            hidden_dim: C (n_embd), the width of the activations sent between stages.
             comm_dtype: dtype of the activations and gradients on the wire.
             train: run the training table (forwards and backwards) or, when False, only
                 forwards (validation; call under torch.no_grad()).
@@ -318,7 +326,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise ValueError(f"a batch of {rows} rows cannot be cut into parallel.num_microbatches={m} microbatches")
         inputs = batch_BT1[:, :-1].split(rows // m)
         targets = batch_BT1[:, 1:].split(rows // m)
-        comms = P2PComms(self._pp_group(), self.pp_rank, self.root_device, comm_dtype)
+        comms = P2PComms(group=self._pp_group(), rank=self.pp_rank, device=self.root_device, dtype=comm_dtype)
         executor = PipelineExecutor(
             self.table if train else self.eval_table,
             rank=self.pp_rank,
@@ -326,7 +334,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             comms=comms,
             hidden_shape=(rows // m, t_plus_1 - 1, hidden_dim),
         )
-        loss = executor.run(inputs, targets, num_tokens=rows * (t_plus_1 - 1), forward_only=not train)
+        loss = executor.run(inputs, targets=targets, num_tokens=rows * (t_plus_1 - 1), forward_only=not train)
         if loss is None:
             loss = torch.zeros((), dtype=torch.float32, device=self.root_device)
         if self.pp > 1:
@@ -335,6 +343,9 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     def sync_tied_gradients(self, tied: list[tuple[nn.Parameter | None, nn.Parameter | None]]) -> None:
         """Sum the gradients of tied weights held on different ranks (first and last stage).
+
+        Collective over the tied group: the first- and last-stage ranks must call it with their
+        pairs in the same order (the model family's ``tied_weights`` order).
 
         Args:
             tied: per tied pair, (embedding-side parameter or None, head-side parameter or None)
@@ -364,7 +375,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         Returns:
             The global gradient norm before clipping (0-dim fp32 tensor), the same on all ranks.
         """
-        grads = [p.grad for p in norm_params if p.grad is not None]
+        # fp32 accumulation even for bf16 gradients; a no-op view for fp32 ones.
+        grads = [p.grad.float() for p in norm_params if p.grad is not None]
         local_sq = (
             torch.nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
             if grads

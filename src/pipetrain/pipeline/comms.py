@@ -28,7 +28,7 @@ def message_tag(direction: int, stage: int, microbatch: int, num_microbatches: i
     return (stage * num_microbatches + microbatch) * 2 + direction
 
 
-@dataclass
+@dataclass(kw_only=True)
 class P2PComms:
     """Tagged point-to-point messages over the pp process group.
 

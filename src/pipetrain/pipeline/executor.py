@@ -1,7 +1,8 @@
 """Run one rank's task table: forwards, backwards and the messages between them.
 
 The executor interprets actions; it never asks which schedule produced them. Shapes:
-``B`` = micro_batch_size, ``T`` = seq_len, ``D`` = n_embd, ``V`` = vocab_size.
+``B`` = micro_batch_size, ``T`` = seq_len, ``C`` = n_embd, ``V`` = vocab_size (the
+models' legend).
 
 Memory contract: an F stashes only what its B needs (the received input and the chunk's output, or
 the scaled loss on the last stage) and the B frees it; the last stage keeps one loss scalar per
@@ -40,7 +41,7 @@ class PipelineExecutor:
         rank: this process's pp rank.
         chunks: the local chunks keyed by global stage index.
         comms: the point-to-point transport.
-        hidden_shape: shape of one microbatch's activation between stages, (B, T, D).
+        hidden_shape: shape of one microbatch's activation between stages, (B, T, C).
         loss_fn: ``(logits_BTV, targets_BT) -> summed loss`` (default: summed cross-entropy).
     """
 
@@ -72,8 +73,8 @@ class PipelineExecutor:
     def run(
         self,
         inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
         *,
+        targets: Sequence[torch.Tensor] | None,
         num_tokens: int,
         forward_only: bool = False,
     ) -> torch.Tensor | None:
