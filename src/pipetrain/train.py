@@ -189,9 +189,16 @@ def _hydra_main(cfg: DictConfig) -> None:
         )
 
 
+def run_name(default: str) -> str:
+    """Run-dir name: ``torchrun-<job id>`` under torchrun when it has one, else ``default``."""
+    job_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun-{job_id}" if job_id and job_id != "none" else default
+
+
 def main() -> None:
     """Console-script entry point (``pipetrain-train``)."""
     register_configs()
+    OmegaConf.register_new_resolver("pipetrain_run_name", run_name, replace=True)
     _hydra_main()
 
 
