@@ -54,7 +54,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for name, layout in LAYOUTS.items():
-                results[name].append(run_once(common + layout, Path(tmp) / f"round{r}-{name.replace('=', '').replace(' ', '_')}"))
+                run_dir = Path(tmp) / f"round{r}-{name.replace('=', '').replace(' ', '_')}"
+                results[name].append(run_once(common + layout, run_dir))
     base = statistics.median(results["pp=1"])
     print(f"{'layout':<26}{'tokens/s (median)':>20}{'ratio to pp=1':>16}   runs")
     for name, values in results.items():
