@@ -1,4 +1,5 @@
-"""The schedule CLI: its JSON tables round-trip into tables that pass check()."""
+"""The schedule CLI: its JSON tables round-trip into tables that pass check() and, simulated with
+unit costs (F=1, B=2), give the closed-form bubbles."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from conftest import run_cli
 from pipetrain.pipeline.check import check
 from pipetrain.pipeline.schedules import SCHEDULES, Action, ScheduleTable
+from pipetrain.pipeline.simulate import simulate
 from pipetrain.schedule import compose_config, render, render_config
 
 
@@ -46,7 +48,16 @@ def test_cli_tables_pass_check_over_a_grid(name):
                     out = render_config(cfg)
                 except ValueError:
                     continue
-                check(_from_json(json.loads(out), name))
+                table = _from_json(json.loads(out), name)
+                check(table)
+                closed_form = None
+                if vpp == 1 and name in ("gpipe", "1f1b"):
+                    closed_form = (pp - 1) / (m + pp - 1)
+                elif name == "interleaved_1f1b" and m % pp == 0:
+                    closed_form = (pp - 1) / (vpp * m + pp - 1)
+                if closed_form is not None:
+                    bubbles = simulate(table, forward=1, backward=2).bubble.values()
+                    assert all(b == pytest.approx(closed_form, abs=1e-12) for b in bubbles), (pp, vpp, m)
                 n_checked += 1
     # The sizes each schedule documents as accepted, all of them reached through the CLI.
     documented = {
