@@ -285,18 +285,17 @@ def _validate_optim(optim: Any) -> None:
         raise ValueError(f"optim.grad_clip={optim.grad_clip} must be > 0, or null to disable clipping")
 
 
-def _validate_vocab(cfg: Any) -> None:
-    """The embedding must have a row for every token id the data can hold."""
-    from pipetrain.data.datamodule import load_splits
-
-    vocab = cfg.model.vocab_size
-    splits = load_splits(cfg.data)
-    if vocab >= splits.vocab_bound:
-        return
-    # The file's dtype allows larger ids than the model has rows: look at the ids it really holds.
+def _validate_data(cfg: Any) -> None:
+    """The data must load (files exist and are well-formed, each split holds a sequence) and the
+    embedding must have a row for every token id it holds. Loads the splits once."""
     from pipetrain.data.datamodule import TokenDataModule
 
-    largest = TokenDataModule(cfg.data, num_microbatches=1, seed=0, max_steps=1).max_token_id()
+    data = TokenDataModule(cfg.data, num_microbatches=1, seed=0, max_steps=1)
+    vocab = cfg.model.vocab_size
+    if vocab >= data.token_vocab_bound:  # first access loads and checks the splits
+        return
+    # The format allows larger ids than the model has rows: look at the ids the data really holds.
+    largest = data.max_token_id()
     if largest >= vocab:
         raise ValueError(
             f"model.vocab_size={vocab} is too small for data.name={cfg.data.name}: it holds token id {largest}; "
@@ -315,7 +314,6 @@ def validate(cfg: Any) -> None:
     Cheap and pure apart from reading data-file headers: called before any process starts.
     Builds and checks the task table, partitions the layers and checks the data files.
     """
-    from pipetrain.data.datamodule import validate_data
     from pipetrain.models import MODEL_FAMILIES
     from pipetrain.pipeline.check import check
     from pipetrain.pipeline.partition import partition
@@ -382,5 +380,4 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"logger.name={cfg.logger.name!r} is unknown; use one of {LOGGERS}")
     if cfg.logger.mode not in LOGGER_MODES:
         raise ValueError(f"logger.mode={cfg.logger.mode!r} is unknown; use one of {LOGGER_MODES}")
-    validate_data(data)
-    _validate_vocab(cfg)
+    _validate_data(cfg)

@@ -62,7 +62,6 @@ class PipelineExecutor:
         self.hidden_shape = hidden_shape
         self.loss_fn = loss_fn
         self.last_stage = table.num_stages - 1
-        self.peak_stashed = 0
 
     def _peer(self, stage: int) -> int:
         return self.table.placement[stage]
@@ -118,7 +117,6 @@ class PipelineExecutor:
                         self.comms.send(out, peer=self._peer(s + 1), tag=self._tag(ACTIVATION, s, mb))
                     if not forward_only:
                         stash[(s, mb)] = (x, out)
-                        self.peak_stashed = max(self.peak_stashed, len(stash))
                 elif action.kind == BACKWARD:
                     if forward_only:
                         continue
