@@ -14,6 +14,7 @@ import pytest
 
 from conftest import load_rank_files, merged, relative_error, train_run
 from pipetrain.pipeline.partition import partition
+from pipetrain.pipeline.schedules import build_schedule
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +45,16 @@ CASES = [
     ("interleaved_1f1b", 1, 2, 8),
     ("gpipe", 1, 2, 7),
     ("1f1b", 4, 1, 7),
+    # Split backward (I then W) and the V placement.
+    ("looped_bfs", 2, 2, 8),
+    ("zb_h1", 2, 1, 8),
+    ("zb_h1", 4, 1, 8),
+    ("zb_h1", 1, 1, 8),
+    ("zbv", 2, 2, 8),
+    ("zbv", 4, 2, 8),
+    ("zbv", 2, 2, 7),
+    ("interleaved_zb", 2, 2, 8),
+    ("interleaved_zb", 4, 2, 8),
 ]
 
 _REFERENCES: dict = {}
@@ -101,17 +112,22 @@ def test_pipeline_equals_unpipelined(tmp_path, tmp_path_factory, model, schedule
     grads = load_rank_files(tmp_path, "grads")
     params = load_rank_files(tmp_path, "params")
     assert sorted(grads) == sorted(params) == list(range(pp))
-    # Each rank holds exactly the layers its StageInfo assigns.
-    for info in partition(n_layer, pp=pp, vpp=vpp):
+    # Each rank holds exactly the layers its StageInfo assigns (the schedule's placement: loop or V).
+    placement = build_schedule(schedule, pp=pp, vpp=vpp, num_microbatches=4).placement
+    for info in partition(n_layer, pp=pp, vpp=vpp, placement=placement):
         expected = {layer for begin, end in info.chunk_layer_ranges for layer in range(begin, end)}
         assert _layers_of(params[info.rank]) == expected
     _assert_close_by_name(merged(grads), ref_grads, "gradient after step 1")
     _assert_close_by_name(merged(params), ref_params, f"weight after step {STEPS}", TOL_WEIGHTS)
 
-    if model == "gpt2" and pp > 1:
-        # Tied embedding/head: held on the first and last rank, they must stay bit-identical.
-        assert "head.lm_head.weight" in params[pp - 1] and "embed.wte.weight" in params[0]
-        assert (params[0]["embed.wte.weight"] == params[pp - 1]["head.lm_head.weight"]).all()
+    first, last = placement[0], placement[-1]
+    if model == "gpt2" and first != last:
+        # Tied embedding/head: held on two ranks, the copies must stay bit-identical.
+        assert "head.lm_head.weight" in params[last] and "embed.wte.weight" in params[first]
+        assert (params[first]["embed.wte.weight"] == params[last]["head.lm_head.weight"]).all()
+    elif model == "gpt2":
+        # One rank holds both ends (pp=1, or ZB-V's rank 0): one shared Parameter, no head copy.
+        assert "head.lm_head.weight" not in params[first]
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama3"])
@@ -130,6 +146,40 @@ def test_clipped_steps_equal_unpipelined(tmp_path, tmp_path_factory, model):
     _assert_close_by_name(merged(params), ref_params, "clipped weight", TOL_WEIGHTS)
     if model == "gpt2":  # the head-side copy is clipped with the same coefficient as the embedding
         assert (params[0]["embed.wte.weight"] == params[1]["head.lm_head.weight"]).all()
+
+
+def test_csv_table_exported_by_torch_trains_like_unpipelined(tmp_path, tmp_path_factory):
+    """torch's own InterleavedZeroBubble order (as its CSV export holds it, idle slots as empty
+    cells) runs in pipetrain's executor and gives the unpipelined losses and gradients."""
+    import csv
+    import logging
+
+    visualizer = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+    logging.disable(logging.WARNING)
+    try:
+        ops = visualizer.get_schedule_ops("InterleavedZeroBubble", 2, 4, num_stages_per_rank=2)
+    finally:
+        logging.disable(logging.NOTSET)
+    path = tmp_path / "torch_izb.csv"
+    with path.open("w", newline="") as handle:
+        csv.writer(handle).writerows([["" if a is None else str(a) for a in rank] for rank in ops])
+    ref_summary, ref_grads, _ = _reference(tmp_path_factory, "gpt2", 8, "optim.grad_clip=null")
+    run_dir = tmp_path / "run"
+    summary = train_run(
+        run_dir,
+        "model=gpt2",
+        "model.n_layer=8",
+        "schedule=csv",
+        f"schedule.path={path}",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        *COMMON,
+        "optim.grad_clip=null",
+    )
+    for got, want in zip(summary["train_loss"], ref_summary["train_loss"], strict=True):
+        assert abs(got - want) <= TOL * abs(want)
+    _assert_close_by_name(merged(load_rank_files(run_dir, "grads")), ref_grads, "gradient after step 1")
+    assert (run_dir / "schedule.txt").read_text().startswith("schedule=csv pp=2 vpp=2 num_microbatches=4")
 
 
 def test_torchrun_gives_the_losses_of_the_lightning_launcher(tmp_path):
@@ -169,13 +219,13 @@ def test_multirun_runs_each_job_once_with_its_own_outputs(tmp_path):
     assert proc.stdout.count("pipetrain: 3 steps") == 2  # each job trained once
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama3"])
-def test_validation_loss_equals_unpipelined(tmp_path, model):
+@pytest.mark.parametrize(
+    ("model", "schedule"), [("gpt2", "interleaved_1f1b"), ("llama3", "interleaved_1f1b"), ("gpt2", "zbv")]
+)
+def test_validation_loss_equals_unpipelined(tmp_path, model, schedule):
     val = ("trainer.val_check_interval=2", "data.val_batches=2", "trainer.max_steps=4", "parallel.num_microbatches=4")
     ref = train_run(tmp_path / "ref", f"model={model}", "parallel=pp1", *val)
-    got = train_run(
-        tmp_path / "pp", f"model={model}", "parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_1f1b", *val
-    )
+    got = train_run(tmp_path / "pp", f"model={model}", "parallel.pp=2", "parallel.vpp=2", f"schedule={schedule}", *val)
     assert len(ref["val_losses"]) == len(got["val_losses"]) == 2  # after steps 2 and 4
     for a, b in zip(got["val_losses"], ref["val_losses"], strict=True):
         assert abs(a - b) <= TOL * b

@@ -65,6 +65,8 @@ def test_partition_rejects_bad_sizes():
         partition(4, pp=2, vpp=0)
     with pytest.raises(ValueError, match="parallel.placement"):
         partition(4, pp=2, vpp=1, placement="zigzag")
+    with pytest.raises(ValueError, match="must give a rank"):
+        partition(4, pp=2, vpp=1, placement=(0, 2))
     assert stage_layer_ranges(5, 2) == ((0, 3), (3, 5))
 
 
@@ -175,34 +177,110 @@ def _table(actions, pp=2, vpp=1, m=2):
     )
 
 
-def test_check_finds_missing_duplicate_misplaced_and_order_errors():
-    good = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
-    check(_table(good))
-    with pytest.raises(ScheduleError, match="missing action 1B1"):
-        check(_table({0: good[0], 1: ["1F0", "1B0", "1F1"]}))
-    with pytest.raises(ScheduleError, match="rank 0, step 2, action 0F1: duplicate"):
-        check(_table({0: ["0F0", "0F1", "0F1", "0B0", "0B1"], 1: good[1]}))
-    with pytest.raises(ScheduleError, match="stage 1 is placed on rank 1"):
-        check(_table({0: good[0] + ["1F0"], 1: good[1]}))
-    with pytest.raises(ScheduleError, match="rank 1, step 0, action 1B0: runs before 1F0"):
-        check(_table({0: good[0], 1: ["1B0", "1F0", "1F1", "1B1"]}))
+GOOD = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}
+GOOD_SPLIT = {0: ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"], 1: ["1F0", "1I0", "1F1", "1I1", "1W0", "1W1"]}
 
-
-def test_check_finds_cross_rank_deadlock():
+# One broken table of each kind, and the start of the error it must raise (rank, step, action).
+BROKEN = {
+    "missing action": ({0: GOOD[0], 1: ["1F0", "1B0", "1F1"]}, "rank 1: missing backward of stage 1 microbatch 1"),
+    "missing W": ({0: GOOD_SPLIT[0], 1: ["1F0", "1I0", "1F1", "1I1", "1W0"]}, "rank 1: missing action 1W1: 1I1 needs"),
+    "duplicate action": ({0: ["0F0", "0F1", "0F1", "0B0", "0B1"], 1: GOOD[1]}, "rank 0, step 2, action 0F1: duplicate"),
+    "B before its F": ({0: GOOD[0], 1: ["1B0", "1F0", "1F1", "1B1"]}, "rank 1, step 0, action 1B0: runs before 1F0"),
+    "I before its F": (
+        {0: GOOD_SPLIT[0], 1: ["1I0", "1F0", "1F1", "1I1", "1W0", "1W1"]},
+        "rank 1, step 0, action 1I0: runs before 1F0",
+    ),
+    "W before its I": (
+        {0: GOOD_SPLIT[0], 1: ["1F0", "1W0", "1I0", "1F1", "1I1", "1W1"]},
+        "rank 1, step 1, action 1W0: runs before 1I0",
+    ),
+    "stage on two ranks": (
+        {0: GOOD[0] + ["1F0"], 1: GOOD[1]},
+        "rank 0, step 4, action 1F0: stage 1 is on rank 1 and also",
+    ),
+    "B and I/W mixed": (
+        {0: GOOD[0], 1: ["1F0", "1B0", "1I0", "1W0", "1F1", "1B1"]},
+        "rank 1: stage 1 microbatch 0 has a full backward 1B0 and also I/W",
+    ),
     # rank 0 waits for microbatch 0's gradient before it sends microbatch 1's activation, while
     # rank 1 waits for that activation before it sends the gradient.
-    actions = {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F0", "1F1", "1B0", "1B1"]}
-    with pytest.raises(ScheduleError, match="deadlock") as err:
+    "cross-rank deadlock": (
+        {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F0", "1F1", "1B0", "1B1"]},
+        "rank 0, step 1, action 0B0: deadlock",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN))
+def test_check_rejects_each_broken_kind_naming_rank_step_action(kind):
+    check(_table(GOOD))
+    check(_table(GOOD_SPLIT))
+    actions, message = BROKEN[kind]
+    with pytest.raises(ScheduleError) as err:
         check(_table(actions))
-    assert "rank 0 step 1 0B0 waits for 1B0" in str(err.value)
-    assert "rank 1 step 1 1F1 waits for 0F1" in str(err.value)
+    assert str(err.value).startswith(message), str(err.value)
 
 
-def test_check_finds_receives_out_of_send_order():
-    # No deadlock with tagged receives, but NCCL would hand 1F1 the activation of microbatch 0.
+def test_deadlock_error_lists_every_blocked_rank():
+    with pytest.raises(ScheduleError) as err:
+        check(_table(BROKEN["cross-rank deadlock"][0]))
+    text = str(err.value)
+    assert "rank 0 step 1 0B0 waits for the input gradient of stage 1 microbatch 0 from rank 1" in text
+    assert "rank 1 step 1 1F1 waits for the activation of stage 0 microbatch 1 from rank 0" in text
+    assert err.value.rank == 0 and err.value.step == 1 and str(err.value.action) == "0B0"
+
+
+LOWERED_GOOD = {
+    0: ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"],
+    1: ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"],
+}
+
+
+def test_check_accepts_lowered_tables_and_what_lower_emits():
+    check(_table(LOWERED_GOOD))
+    from pipetrain.pipeline.check import lower
+
+    assert {r: [str(a) for a in acts] for r, acts in lower(_table(GOOD)).items()} == LOWERED_GOOD
+    for name in SCHEDULES:
+        for table in list(_accepted(name))[::40]:
+            lowered = ScheduleTable(name, table.pp, table.vpp, table.num_microbatches, table.placement, lower(table))
+            check(lowered)  # the checker accepts every action type it emits
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda a: {0: a[0], 1: [x for x in a[1] if x != "1RECV_F1"]},
+            "rank 1, action 1RECV_F1: missing communication",
+        ),
+        (
+            lambda a: {0: ["0SEND_F0", *[x for x in a[0] if x != "0SEND_F0"]], 1: a[1]},
+            "rank 0, step 0, action 0SEND_F0",
+        ),
+        (
+            lambda a: {0: a[0] + ["0SEND_B0"], 1: a[1]},
+            "rank 0, step 8, action 0SEND_B0: communication action not needed",
+        ),
+        (lambda a: {0: a[0] + ["0SEND_F1"], 1: a[1]}, "rank 0, step 8, action 0SEND_F1: duplicate action"),
+    ],
+    ids=["missing RECV", "SEND before its data", "SEND that crosses no rank", "SEND listed twice"],
+)
+def test_check_rejects_broken_lowered_tables(edit, message):
+    with pytest.raises(ScheduleError) as err:
+        check(_table(edit(LOWERED_GOOD)))
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_receives_out_of_send_order_pass_and_are_listed():
+    """Tags (gloo) or the executor's in-order receive (NCCL) deliver the right message."""
+    from pipetrain.pipeline.check import messages
+
     actions = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F1", "1F0", "1B0", "1B1"]}
-    with pytest.raises(ScheduleError, match="rank 0 sends activation of stage 0 microbatch 0 as its message #0"):
-        check(_table(actions))
+    check(_table(actions))
+    sent, received = messages(_table(actions))[(0, 1)]
+    assert sent == [("activation", 0, 0), ("activation", 0, 1)]
+    assert received == [("activation", 0, 1), ("activation", 0, 0)]
 
 
 def test_lockstep_of_gpipe_pp2():

@@ -89,18 +89,22 @@ class ParallelConfig:
     dp: int = 1
     # Microbatches per optimizer step (m). The global batch is micro_batch_size * m sequences.
     num_microbatches: int = 4
-    # Stage placement: "loop" puts stage s on rank s % pp.
-    placement: str = "loop"
+    # Stage placement: "auto" takes the schedule's own (loop for most, V for zbv, the file's for
+    # csv); "loop" (stage s on rank s % pp) or "v" (zig-zag) only assert it.
+    placement: str = "auto"
     # Seconds a collective or p2p operation may wait on a peer before the run fails.
     timeout_s: int = 300
 
 
 @dataclass
 class ScheduleConfig:
-    """Which registered schedule generator builds the task table."""
+    """Which registered schedule generator builds the task table, or which CSV file holds it."""
 
-    # One of pipetrain.pipeline.schedules.SCHEDULES: gpipe, 1f1b, interleaved_1f1b.
+    # gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zbv, interleaved_zb
+    # (pipetrain.pipeline.schedules.SCHEDULES), or csv: the table in schedule.path.
     name: str = "1f1b"
+    # schedule=csv only: a CSV file, one row per rank of actions like 0F0,0I0,0W0 (torch's format).
+    path: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +321,7 @@ def validate(cfg: Any) -> None:
     from pipetrain.models import MODEL_FAMILIES
     from pipetrain.pipeline.check import check
     from pipetrain.pipeline.partition import partition
-    from pipetrain.pipeline.schedules import build_schedule
+    from pipetrain.pipeline.schedules import build_schedule, resolve_placement
 
     for section in ("model", "parallel", "schedule", "data", "optim", "trainer", "logger", "debug"):
         reject_unknown_keys(cfg[section], f"{section}.")
@@ -352,8 +356,11 @@ def validate(cfg: Any) -> None:
             f"data.seq_len={data.seq_len} exceeds model.block_size={model.block_size}; "
             f"use data.seq_len <= {model.block_size}"
         )
-    partition(model.n_layer, pp=par.pp, vpp=par.vpp, placement=par.placement)
-    check(build_schedule(cfg.schedule.name, pp=par.pp, vpp=par.vpp, num_microbatches=par.num_microbatches))
+    table = build_schedule(
+        cfg.schedule.name, pp=par.pp, vpp=par.vpp, num_microbatches=par.num_microbatches, path=cfg.schedule.path
+    )
+    check(table)
+    partition(model.n_layer, pp=par.pp, vpp=par.vpp, placement=resolve_placement(table, par.placement))
     _validate_optim(optim)
     if trainer.val_check_interval < 0:
         raise ValueError(

@@ -37,11 +37,7 @@ from pipetrain.pipeline.check import check
 from pipetrain.pipeline.comms import P2PComms
 from pipetrain.pipeline.executor import PipelineExecutor
 from pipetrain.pipeline.partition import StageInfo, partition
-from pipetrain.pipeline.schedules import ScheduleTable, build_schedule
-
-# Validation runs only forwards; GPipe's table is the one that runs every forward of a stage for
-# all microbatches before the next stage needs them, for any (pp, vpp, m).
-EVAL_SCHEDULE = "gpipe"
+from pipetrain.pipeline.schedules import ScheduleTable, build_schedule, gpipe_on, resolve_placement
 
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -125,9 +121,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         vpp: stages per rank.
         dp: data-parallel degree (only 1 is supported for now).
         num_microbatches: microbatches per optimizer step.
-        schedule: registered schedule name (``pipetrain.pipeline.schedules.SCHEDULES``).
+        schedule: registered schedule name (``pipetrain.pipeline.schedules.SCHEDULES``) or "csv".
+        schedule_path: the CSV file of ``schedule="csv"``.
         n_layer: layers of the model, to partition.
-        placement: stage placement ("loop").
+        placement: "auto" (the schedule's own placement), "loop" or "v".
         timeout_s: seconds a collective or p2p op may wait on a peer before the run fails.
         Remaining arguments are Lightning's (filled in by the Trainer when left None).
 
@@ -146,7 +143,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         num_microbatches: int = 1,
         schedule: str = "1f1b",
         n_layer: int = 1,
-        placement: str = "loop",
+        placement: str = "auto",
+        schedule_path: str | None = None,
         timeout_s: float = 300.0,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
@@ -172,12 +170,15 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         # Pure and cheap: build and check everything before any process group exists.
-        self.stage_infos: tuple[StageInfo, ...] = partition(n_layer, pp=pp, vpp=vpp, placement=placement)
-        self.table: ScheduleTable = build_schedule(schedule, pp=pp, vpp=vpp, num_microbatches=num_microbatches)
-        check(self.table)
-        self.eval_table: ScheduleTable = build_schedule(
-            EVAL_SCHEDULE, pp=pp, vpp=vpp, num_microbatches=num_microbatches
+        self.table: ScheduleTable = build_schedule(
+            schedule, pp=pp, vpp=vpp, num_microbatches=num_microbatches, path=schedule_path
         )
+        check(self.table)
+        self.stage_infos: tuple[StageInfo, ...] = partition(
+            n_layer, pp=pp, vpp=vpp, placement=resolve_placement(self.table, placement)
+        )
+        # Validation runs GPipe's forwards over the training table's placement.
+        self.eval_table: ScheduleTable = gpipe_on(self.table)
         check(self.eval_table)
         self.mesh: DeviceMesh | None = None
         self._tied_group: dist.ProcessGroup | None = None

@@ -100,6 +100,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         dp=par.dp,
         num_microbatches=par.num_microbatches,
         schedule=cfg.schedule.name,
+        schedule_path=cfg.schedule.path,
         n_layer=model_cfg.n_layer,
         placement=par.placement,
         timeout_s=par.timeout_s,

@@ -10,10 +10,18 @@ Megatron-LM's send_forward_recv_backward do). Every message
 carries a tag derived from (direction, stage, microbatch), so a receive matches its own message
 even when one rank pair carries activations and gradients in both directions (interleaved
 schedules). Messages between two stages of the same rank never touch the process group.
+
+Receive order: NCCL ignores tags and pairs the k-th send from a peer with the k-th receive posted
+for it. A schedule may consume a peer's messages in another order than the peer sends them (ZB-V
+and interleaved zero bubble do). :meth:`P2PComms.expect` gives, per peer, the tags in send order;
+a receive then first takes, into a holding buffer, every earlier message of that peer. Waiting for
+an earlier message never blocks longer than waiting for the wanted one, which the peer sends later,
+so this adds no deadlock to a table that ``check`` accepts.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +54,15 @@ class P2PComms:
     _outbox: list = field(default_factory=list)
     _pending: list = field(default_factory=list)
     _local: dict = field(default_factory=dict)
+    _expected: dict = field(default_factory=dict)
+    _early: dict = field(default_factory=dict)
+
+    def expect(self, incoming: dict[int, list[int]]) -> None:
+        """Start a step: ``incoming[peer]`` lists the tags ``peer`` sends here, in its send order.
+
+        Every message of a step has the shape of the receive that asks for it, (B, T, C).
+        """
+        self._expected = {peer: deque(tags) for peer, tags in incoming.items()}
 
     def send(self, tensor: torch.Tensor, *, peer: int, tag: int) -> None:
         """Send ``tensor`` to pp rank ``peer`` without waiting for it to be received."""
@@ -82,6 +99,19 @@ class P2PComms:
         """Block until the message ``tag`` from pp rank ``peer`` arrives; return it as a new tensor."""
         if peer == self.rank:
             return self._local.pop(tag)
+        if tag in self._early:
+            return self._early.pop(tag)
+        queue = self._expected.get(peer)
+        if queue:
+            while queue[0] != tag:
+                earlier = queue.popleft()
+                self._early[earlier] = self._receive(shape, peer, earlier)
+                if not queue:
+                    raise RuntimeError(f"rank {self.rank}: no message with tag {tag} is expected from rank {peer}")
+            queue.popleft()
+        return self._receive(shape, peer, tag)
+
+    def _receive(self, shape: tuple[int, ...], peer: int, tag: int) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
         op = dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer, tag=tag)
         for work in self._post([op]):
@@ -95,3 +125,4 @@ class P2PComms:
             work.wait()
         self._pending.clear()
         assert not self._local, f"local messages never received: {sorted(self._local)}"
+        assert not self._early, f"messages received but never used: {sorted(self._early)}"

@@ -4,9 +4,9 @@ The executor interprets actions; it never asks which schedule produced them. Sha
 ``B`` = micro_batch_size, ``T`` = seq_len, ``C`` = n_embd, ``V`` = vocab_size (the
 models' legend).
 
-Memory contract: an F stashes only what its B needs (the received input and the chunk's output, or
-the scaled loss on the last stage) and the B frees it; the last stage keeps one loss scalar per
-microbatch, never the logits.
+Memory contract: an F stashes only what its backward needs (the received input and the chunk's
+output, or the scaled loss on the last stage); a B frees it, an I hands the graph to its W, which
+frees it; the last stage keeps one loss scalar per microbatch, never the logits.
 
 Loss contract (DESIGN.md, 4): each microbatch's summed token loss is divided once, before its
 backward, by the number of target tokens in the whole step, so the step's loss and gradients are
@@ -15,13 +15,16 @@ those of the mean over every token of the global batch, for any m, pp or vpp.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from pipetrain.pipeline.backward import WeightGradWork, backward_input, backward_weight
+from pipetrain.pipeline.check import messages
 from pipetrain.pipeline.comms import ACTIVATION, GRADIENT, P2PComms, message_tag
-from pipetrain.pipeline.schedules import BACKWARD, FORWARD, ScheduleTable
+from pipetrain.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, ScheduleTable
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -35,6 +38,15 @@ def summed_cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> 
 
 class PipelineExecutor:
     """Walks this rank's actions of a :class:`ScheduleTable`.
+
+    F runs a chunk; B runs its full backward; I computes only the gradient of the chunk's input and
+    keeps what the matching W needs (see :mod:`pipetrain.pipeline.backward`); W then accumulates
+    the weight gradients. Receives follow each peer's send order (see ``P2PComms.expect``), so the
+    same table runs on NCCL, which matches messages by order, and on gloo, which matches tags.
+
+    Every compute action is timed (``time.perf_counter_ns``, from after its input arrived to after
+    its output was queued): :attr:`timings` holds the last step's ``(action, start_ns, end_ns)``
+    and :attr:`step_span_ns` its ``(start_ns, end_ns)``.
 
     Args:
         table: the checked task table.
@@ -62,6 +74,21 @@ class PipelineExecutor:
         self.hidden_shape = hidden_shape
         self.loss_fn = loss_fn
         self.last_stage = table.num_stages - 1
+        self.actions = table.compute_actions(rank)
+        self.params = {s: [p for p in chunk.parameters() if p.requires_grad] for s, chunk in chunks.items()}
+        self.timings: list[tuple[Action, int, int]] = []
+        self.step_span_ns: tuple[int, int] = (0, 0)
+        # Per peer, the tags of the messages it sends here, in its send order.
+        self._incoming: dict[bool, dict[int, list[int]]] = {True: {}, False: {}}
+        directions = {"activation": ACTIVATION, "gradient": GRADIENT}
+        for (src, dst), (sent, _) in messages(table).items():
+            if dst != rank:
+                continue
+            for kind, stage, mb in sent:
+                tag = self._tag(directions[kind], stage, mb)
+                self._incoming[False].setdefault(src, []).append(tag)
+                if kind == "activation":
+                    self._incoming[True].setdefault(src, []).append(tag)
 
     def _peer(self, stage: int) -> int:
         return self.table.placement[stage]
@@ -93,20 +120,28 @@ class PipelineExecutor:
             RuntimeError: a peer failed or timed out (from torch.distributed).
         """
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        weight_work: dict[tuple[int, int], WeightGradWork] = {}
         losses: list[torch.Tensor] = []
-        actions = self.table.actions[self.rank]
+        timings: list[tuple[Action, int, int]] = []
+        clock = time.perf_counter_ns
+        self.comms.expect(self._incoming[forward_only])
+        step_start = clock()
         grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
         with grad_mode:
-            for action in actions:
-                s, mb = action.stage, action.microbatch
-                if action.kind == FORWARD:
-                    if s == 0:
-                        self.comms.post_sends()
-                        x = None
-                        out = self.chunks[s](inputs[mb])
-                    else:
+            for action in self.actions:
+                kind, s, mb = action.kind, action.stage, action.microbatch
+                if forward_only and kind != FORWARD:
+                    continue
+                if kind == FORWARD:
+                    x = None
+                    if s > 0:
                         tag = self._tag(ACTIVATION, s - 1, mb)
                         x = self.comms.recv(self.hidden_shape, peer=self._peer(s - 1), tag=tag)
+                    self.comms.post_sends()
+                    start = clock()
+                    if x is None:
+                        out = self.chunks[s](inputs[mb])
+                    else:
                         if not forward_only:
                             x.requires_grad_(True)
                         out = self.chunks[s](x)
@@ -117,22 +152,33 @@ class PipelineExecutor:
                         self.comms.send(out, peer=self._peer(s + 1), tag=self._tag(ACTIVATION, s, mb))
                     if not forward_only:
                         stash[(s, mb)] = (x, out)
-                elif action.kind == BACKWARD:
-                    if forward_only:
-                        continue
+                elif kind in (BACKWARD, BACKWARD_INPUT):
                     x, out = stash.pop((s, mb))
-                    if s == self.last_stage:
-                        self.comms.post_sends()
-                        torch.autograd.backward(out)
-                    else:
+                    grad = None
+                    if s < self.last_stage:
                         grad = self.comms.recv(out.shape, peer=self._peer(s + 1), tag=self._tag(GRADIENT, s + 1, mb))
-                        torch.autograd.backward(out, grad_tensors=grad.to(out.dtype))
+                        grad = grad.to(out.dtype)
+                    self.comms.post_sends()
+                    start = clock()
+                    if kind == BACKWARD:
+                        torch.autograd.backward(out, grad_tensors=grad)
+                        grad_input = None if x is None else x.grad
+                    else:
+                        grad_input, weight_work[(s, mb)] = backward_input(out, grad, x, self.params[s])
                     if s > 0:
-                        self.comms.send(x.grad, peer=self._peer(s - 1), tag=self._tag(GRADIENT, s, mb))
+                        self.comms.send(grad_input, peer=self._peer(s - 1), tag=self._tag(GRADIENT, s, mb))
+                elif kind == BACKWARD_WEIGHT:
+                    self.comms.post_sends()
+                    start = clock()
+                    backward_weight(weight_work.pop((s, mb)))
                 else:
                     raise ValueError(f"rank {self.rank}: the executor cannot run action {action}")
+                timings.append((action, start, clock()))
         self.comms.flush()
+        self.timings = timings
+        self.step_span_ns = (step_start, clock())
         assert not stash, f"rank {self.rank}: activations never freed by a backward: {sorted(stash)}"
+        assert not weight_work, f"rank {self.rank}: I without its W: {sorted(weight_work)}"
         if not losses:
             return None
         return torch.stack(losses).sum()

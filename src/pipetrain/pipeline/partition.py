@@ -7,6 +7,13 @@ rank ``s % pp``, so rank r holds stages r, r + pp, r + 2 pp, ... For pp=2, vpp=2
     layers  [0,2)  [2,4)  [4,5)  [5,6)
     rank    0      1      0      1
 
+V placement (zero-bubble V, Qi et al. ICLR 2024, section 6): the stages zig-zag over the ranks,
+down then back up, so with vpp=2 rank r holds stages r and 2 pp - 1 - r, and rank 0 holds both the
+embedding and the head. For pp=2, vpp=2 the ranks of stages 0..3 are 0, 1, 1, 0.
+
+A schedule fixes its placement; a table read from a CSV file carries its own, given as a tuple
+(element s = rank of stage s) wherever a placement is accepted.
+
 When ``n_layer`` is not a multiple of the chunk count, the first ``n_layer % (pp * vpp)`` chunks
 get one layer more (as InfiniTrain does).
 """
@@ -15,7 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PLACEMENTS = ("loop",)
+PLACEMENTS = ("loop", "v")
+
+Placement = str | tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -37,20 +46,27 @@ class StageInfo:
     chunk_layer_ranges: tuple[tuple[int, int], ...]
 
 
-def stage_to_rank(stage: int, *, pp: int, vpp: int, placement: str = "loop") -> int:
+def stage_to_rank(stage: int, *, pp: int, vpp: int, placement: Placement = "loop") -> int:
     """The pp rank that holds global ``stage`` (0..pp*vpp-1) under ``placement``.
 
     Raises:
-        ValueError: unknown placement or stage out of range.
+        ValueError: unknown placement, a placement tuple of the wrong length, or stage out of range.
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"parallel.placement={placement!r} is not supported; use one of {PLACEMENTS}")
     if not 0 <= stage < pp * vpp:
         raise ValueError(f"stage {stage} is out of range for pp={pp}, vpp={vpp}")
+    if isinstance(placement, tuple):
+        if len(placement) != pp * vpp or not all(0 <= r < pp for r in placement):
+            raise ValueError(f"placement {placement} must give a rank in 0..{pp - 1} for each of the {pp * vpp} stages")
+        return placement[stage]
+    if placement not in PLACEMENTS:
+        raise ValueError(f"parallel.placement={placement!r} is not supported; use one of {PLACEMENTS}")
+    if placement == "v":
+        lap, offset = divmod(stage, pp)
+        return offset if lap % 2 == 0 else pp - 1 - offset
     return stage % pp
 
 
-def placement_table(*, pp: int, vpp: int, placement: str = "loop") -> tuple[int, ...]:
+def placement_table(*, pp: int, vpp: int, placement: Placement = "loop") -> tuple[int, ...]:
     """``rank`` of every stage: element s is the rank holding stage s."""
     return tuple(stage_to_rank(s, pp=pp, vpp=vpp, placement=placement) for s in range(pp * vpp))
 
@@ -77,14 +93,14 @@ def stage_layer_ranges(n_layer: int, num_stages: int) -> tuple[tuple[int, int], 
     return tuple(ranges)
 
 
-def partition(n_layer: int, *, pp: int, vpp: int, placement: str = "loop") -> tuple[StageInfo, ...]:
+def partition(n_layer: int, *, pp: int, vpp: int, placement: Placement = "loop") -> tuple[StageInfo, ...]:
     """Per-rank :class:`StageInfo` for ``n_layer`` layers cut into ``pp * vpp`` chunks.
 
     Args:
         n_layer: number of transformer layers of the whole model.
         pp: pipeline-parallel degree (ranks).
         vpp: virtual pipeline size (stages per rank).
-        placement: stage placement; "loop" puts stage s on rank s % pp.
+        placement: "loop" (stage s on rank s % pp), "v" (zig-zag), or a tuple of ranks per stage.
 
     Returns:
         One StageInfo per rank, index = rank.
