@@ -213,14 +213,38 @@ class TrainConfig:
 
 
 @dataclass
+class CostsConfig:
+    """Simulated cost of one action on one rank's share of the layers (n_layer / pp), in any unit.
+
+    A table with vpp stages per rank costs 1/vpp of these per stage, so schedules with different
+    vpp compare at equal work. comm is the latency of one message between ranks.
+    """
+
+    forward: float = 1.0
+    backward: float = 2.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    comm: float = 0.0
+
+
+@dataclass
 class ScheduleCliConfig:
     """Root of conf/schedule_cli.yaml: what ``python -m pipetrain.schedule`` reads."""
 
     model: Any = MISSING
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    # text: the table and the lock-step grid; table; grid; json: one JSON object.
+    # text: layout, simulated costs, the table and the lock-step grid; table; grid; json: one
+    # JSON object; csv: torch.distributed.pipelining's CSV; png: Gantt chart of the simulated
+    # timeline; trace: Chrome trace of it (opens in Perfetto).
     format: str = "text"
+    # Output file of format=png/trace (default: <schedule>_pp<pp>_vpp<vpp>_m<m>.<png|json> in the
+    # current directory) or csv (default: stdout).
+    out: str | None = None
+    # Schedules to simulate side by side: compare=gpipe,1f1b,interleaved_1f1b,zb_h1 (each at
+    # parallel.vpp when it accepts it, else at the first vpp in 1..4 it accepts).
+    compare: Any = None
+    costs: CostsConfig = field(default_factory=CostsConfig)
 
 
 LOGGERS = ("wandb", "csv", "none")
