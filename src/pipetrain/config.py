@@ -205,6 +205,9 @@ class TrainConfig:
     seed: int = 1234
     # Steps whose timing is left out of the tokens/s and step-time medians in summary.json.
     timing_warmup_steps: int = 3
+    # Every this many steps, gather every rank's measured action timeline: timeline.json/png in
+    # the run dir, bubble_fraction_measured/_simulated in summary.json (0 = off).
+    timeline_every_n_steps: int = 50
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,6 +389,8 @@ def validate(cfg: Any) -> None:
     check(table)
     partition(model.n_layer, pp=par.pp, vpp=par.vpp, placement=resolve_placement(table, par.placement))
     _validate_optim(optim)
+    if cfg.timeline_every_n_steps < 0:
+        raise ValueError(f"timeline_every_n_steps={cfg.timeline_every_n_steps} must be >= 0 (0 disables timelines)")
     if trainer.val_check_interval < 0:
         raise ValueError(
             f"trainer.val_check_interval={trainer.val_check_interval} must be >= 0 (0 disables validation)"

@@ -182,6 +182,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         check(self.eval_table)
         self.mesh: DeviceMesh | None = None
         self._tied_group: dist.ProcessGroup | None = None
+        self._executors: dict = {}
+        self.train_executor: PipelineExecutor | None = None
 
     # ------------------------------------------------------------------ Lightning plumbing
 
@@ -271,6 +273,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._launcher.restore_environment()
         self.mesh = None
         self._tied_group = None
+        self._executors.clear()
+        self.train_executor = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -327,20 +331,37 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise ValueError(f"a batch of {rows} rows cannot be cut into parallel.num_microbatches={m} microbatches")
         inputs = batch_BT1[:, :-1].split(rows // m)
         targets = batch_BT1[:, 1:].split(rows // m)
-        comms = P2PComms(group=self._pp_group(), rank=self.pp_rank, device=self.root_device, dtype=comm_dtype)
-        executor = PipelineExecutor(
-            self.table if train else self.eval_table,
-            rank=self.pp_rank,
-            chunks=chunks,
-            comms=comms,
-            hidden_shape=(rows // m, t_plus_1 - 1, hidden_dim),
-        )
+        hidden_shape = (rows // m, t_plus_1 - 1, hidden_dim)
+        key = (train, hidden_shape, comm_dtype)
+        executor = self._executors.get(key)
+        if executor is None:
+            # One executor per table and message shape: it lowers the table once, not every step.
+            comms = P2PComms(group=self._pp_group(), rank=self.pp_rank, device=self.root_device, dtype=comm_dtype)
+            executor = PipelineExecutor(
+                self.table if train else self.eval_table,
+                rank=self.pp_rank,
+                chunks=chunks,
+                comms=comms,
+                hidden_shape=hidden_shape,
+            )
+            self._executors[key] = executor
+        if train:
+            self.train_executor = executor
         loss = executor.run(inputs, targets=targets, num_tokens=rows * (t_plus_1 - 1), forward_only=not train)
         if loss is None:
             loss = torch.zeros((), dtype=torch.float32, device=self.root_device)
         if self.pp > 1:
             dist.broadcast(loss, src=self._last_stage_global_rank(), group=self._pp_group())
         return loss
+
+    def gather_pipeline(self, obj: Any) -> list[Any] | None:
+        """Collect ``obj`` from every pp rank of this replica: the list (index = pp rank) on the
+        replica's pp rank 0, None elsewhere. Collective over the pp group."""
+        if self.pp == 1:
+            return [obj]
+        out = [None] * self.pp if self.pp_rank == 0 else None
+        dist.gather_object(obj, out, group=self._pp_group(), group_dst=0)
+        return out
 
     def sync_tied_gradients(self, tied: list[tuple[nn.Parameter | None, nn.Parameter | None]]) -> None:
         """Sum the gradients of tied weights held on different ranks (first and last stage).

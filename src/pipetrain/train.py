@@ -84,6 +84,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     from pipetrain.data.datamodule import TokenDataModule
     from pipetrain.module import PipelineLM
     from pipetrain.pipeline.render import render_grid, render_table
+    from pipetrain.profiling import PipelineTimeline
     from pipetrain.strategy import PipelineParallelStrategy
 
     par = cfg.parallel
@@ -118,6 +119,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         cfg.data, num_microbatches=par.num_microbatches, seed=cfg.seed, max_steps=cfg.trainer.max_steps
     )
     val_every = cfg.trainer.val_check_interval
+    timeline = PipelineTimeline(
+        every_n_steps=cfg.timeline_every_n_steps,
+        run_dir=run_dir,
+        max_steps=cfg.trainer.max_steps,
+        warmup_steps=cfg.timing_warmup_steps,
+    )
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=world // nodes,
@@ -136,6 +143,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         enable_progress_bar=cfg.trainer.enable_progress_bar,
         enable_model_summary=False,
         default_root_dir=str(run_dir),
+        callbacks=[timeline],
     )
     try:
         trainer.fit(module, datamodule=datamodule)
@@ -161,6 +169,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         "steps": len(module.train_losses),
         "world_size": trainer.world_size,
         "accelerator": accelerator,
+        **timeline.summary(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
