@@ -41,6 +41,15 @@ CASES = {
     "key of another model family": (["model=gpt2", "model.n_kv_head=2"], "n_kv_head"),
     "llmc without a file": (["data=llmc"], "data.train_bin"),
     "missing data file": (["data=llmc", "data.train_bin=/nonexistent/tokens.bin"], "/nonexistent/tokens.bin"),
+    "zbv with vpp 1": (["schedule=zbv", "parallel.vpp=1"], "parallel.vpp=1 must be 2"),
+    "zb_h1 with vpp 2": (["schedule=zb_h1", "parallel.vpp=2"], "parallel.vpp=2 must be 1"),
+    "loop placement for zbv": (
+        ["schedule=zbv", "parallel.vpp=2", "parallel.placement=loop"],
+        "parallel.placement=loop",
+    ),
+    "csv schedule without a file": (["schedule=csv"], "schedule.path"),
+    "csv schedule file missing": (["schedule=csv", "schedule.path=/nonexistent/t.csv"], "/nonexistent/t.csv"),
+    "negative timeline period": (["timeline_every_n_steps=-1"], "timeline_every_n_steps=-1"),
 }
 
 
@@ -87,3 +96,19 @@ def test_schedule_cli_rejects_unsupported_sizes():
     )
     assert proc.returncode == 2
     assert "parallel.num_microbatches" in proc.stderr and proc.stdout == ""
+
+
+def test_csv_schedule_of_other_sizes_or_broken_names_the_problem(tmp_path):
+    table = tmp_path / "t.csv"
+    table.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")  # pp=2, m=2
+    _assert_fails_fast(
+        ["schedule=csv", f"schedule.path={table}", "parallel.pp=2", "parallel.num_microbatches=4"],
+        "parallel.num_microbatches=2",
+        tmp_path,
+    )
+    table.write_text("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n")  # deadlocks (see the checker's tests)
+    _assert_fails_fast(
+        ["schedule=csv", f"schedule.path={table}", "parallel.pp=2", "parallel.num_microbatches=2"],
+        "deadlock",
+        tmp_path,
+    )
