@@ -76,6 +76,17 @@ def test_interleaved_closed_form_with_split_costs_unchanged():
                 assert bubble == pytest.approx((pp - 1) / (vpp * m + pp - 1), abs=1e-12)
 
 
+def test_looped_bfs_closed_form_when_m_at_least_pp():
+    for pp in range(2, 9):
+        for vpp in (2, 3, 4):
+            for m in range(1, 17):
+                sim = simulate(build_schedule("looped_bfs", pp=pp, vpp=vpp, num_microbatches=m), **UNIT)
+                closed = (pp - 1) / (vpp * m + pp - 1)
+                for bubble in sim.bubble.values():
+                    # below pp microbatches a rank's next stage waits for the wrap-around: more bubble
+                    assert bubble == pytest.approx(closed, abs=1e-12) if m >= pp else bubble > closed
+
+
 def test_gpipe_and_1f1b_closed_form_pp_2_to_8():
     for name in ("gpipe", "1f1b"):
         for pp in range(2, 9):
