@@ -84,3 +84,30 @@ def test_weight_work_skips_the_input_path():
     backward_weight(work)
     assert x.grad is None, "W must not produce an input gradient"
     assert all(p.grad is not None for p in chunk.parameters())
+
+
+class _SharedWeight(torch.nn.Module):
+    """One weight used at two depths of the input path, plus an ordinary layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(8, 8)
+        self.other = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.shared(torch.tanh(self.other(self.shared(x))))
+
+
+def test_weight_used_twice_on_the_input_path():
+    torch.manual_seed(0)
+    module = _SharedWeight()
+    x0, g = torch.randn(3, 8), torch.randn(3, 8)
+    x = x0.clone().requires_grad_(True)
+    module(x).backward(g)
+    ref = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    _, work = backward_input(module(x), g, x, list(module.parameters()))
+    backward_weight(work)
+    for n, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-6, atol=1e-7, msg=n)

@@ -14,7 +14,9 @@ How, on an autograd graph from ``input`` to ``output``:
 - W restarts autograd at those boundary nodes with the recorded gradients and asks only for the
   parameters that hang off them: the weight-gradient matmuls, nothing on the input path again.
 
-Parameters that share boundary nodes are done in one autograd call. The first stage has no input
+Parameters that share boundary nodes are done in one autograd call. A parameter used at two
+depths of the input path (one boundary node above the other) is done from the output instead:
+correct, at the cost of running that path again. The first stage has no input
 (its input is token ids), so its I does nothing and its W is the full backward. Gradients are
 accumulated into ``param.grad`` as ``loss.backward()`` would, so a W equals the weight part of a
 full backward (tested in tests/test_split_backward.py).
@@ -124,6 +126,10 @@ def backward_input(
         groups.setdefault(nodes, []).append(p)
     for nodes, group in groups.items():
         edges, grads = [], []
+        if len(nodes) > 1 and any(_ancestors(parents, n) & (nodes - {n}) for n in nodes):
+            # A weight used at two depths of the input path: restarting at both boundary nodes
+            # would count the lower one's gradient twice. Restart from the output instead.
+            nodes = frozenset()
         if not nodes:
             edges.append(get_gradient_edge(output))
             grads.append(grad_output if grad_output is not None else torch.ones_like(output))
