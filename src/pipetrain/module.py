@@ -94,7 +94,8 @@ class PipelineLM(L.LightningModule):
             for stage, rng in zip(info.stages, info.chunk_layer_ranges, strict=True)
         }
         self.chunks = nn.ModuleDict(chunks)
-        # pp == 1 with vpp > 1: the embedding and the head are different local chunks. Tie them.
+        # One rank holds the first and the last stage as different local chunks (pp == 1 with
+        # vpp > 1, or ZB-V's rank 0): tie them with one shared Parameter.
         if "0" in chunks and str(last) in chunks and last != 0:
             for emb_name, head_name in type(chunks["0"]).tied_weights:
                 owner, _, attr = head_name.rpartition(".")
