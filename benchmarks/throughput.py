@@ -1,11 +1,14 @@
-"""Tokens/s of pp=1 vs pp=2 (1F1B) vs pp=2 x vpp=2 (interleaved 1F1B) on the same model, side by side.
+"""Tokens/s and bubbles of every schedule at pp=2 against pp=1 on the same model, side by side.
 
     python benchmarks/throughput.py [--steps 60] [--rounds 2] [extra overrides ...]
 
 Each round runs every layout once through the training CLI, in turn, so that machine noise
 spreads over all of them; the table gives the median over rounds of each run's median
-tokens/s (summary.json, after warm-up) and its ratio to pp=1. Every process uses one CPU thread
-(trainer.cpu_threads_per_process=1), so pp=2 uses two cores where pp=1 uses one.
+tokens/s (summary.json, after warm-up), its ratio to pp=1, and per rank the measured bubble
+against the one the cost model predicts from the measured action costs (summary.json's
+bubble_fraction_measured / _simulated, last round), with the largest gap in percentage points.
+Every process uses one CPU thread (trainer.cpu_threads_per_process=1), so pp=2 uses two cores
+where pp=1 uses one.
 """
 
 from __future__ import annotations
@@ -20,23 +23,29 @@ from pathlib import Path
 
 LAYOUTS = {
     "pp=1": ["parallel.pp=1", "parallel.vpp=1", "schedule=1f1b"],
+    "pp=2 gpipe": ["parallel.pp=2", "parallel.vpp=1", "schedule=gpipe"],
     "pp=2 1f1b": ["parallel.pp=2", "parallel.vpp=1", "schedule=1f1b"],
+    "pp=2 zb_h1": ["parallel.pp=2", "parallel.vpp=1", "schedule=zb_h1"],
     "pp=2 vpp=2 interleaved": ["parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_1f1b"],
+    "pp=2 vpp=2 looped_bfs": ["parallel.pp=2", "parallel.vpp=2", "schedule=looped_bfs"],
+    "pp=2 vpp=2 zbv": ["parallel.pp=2", "parallel.vpp=2", "schedule=zbv"],
+    "pp=2 vpp=2 interleaved_zb": ["parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_zb"],
 }
 
 
-def run_once(overrides: list[str], run_dir: Path) -> float:
+def run_once(overrides: list[str], run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "pipetrain.train", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    return json.loads((run_dir / "summary.json").read_text())["tokens_per_s"]
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", nargs="*", help="layout names to run (default: all); pp=1 always runs")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     common = [
@@ -48,19 +57,31 @@ def main() -> None:
         "trainer.accelerator=cpu",
         "trainer.cpu_threads_per_process=1",
         "logger=none",
+        f"timeline_every_n_steps={max(1, args.steps // 4)}",
         *args.overrides,
     ]
-    results: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    layouts = {n: v for n, v in LAYOUTS.items() if n == "pp=1" or not args.only or n in args.only}
+    results: dict[str, list[float]] = {name: [] for name in layouts}
+    bubbles: dict[str, tuple[list[float], list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name, layout in LAYOUTS.items():
+            for name, layout in layouts.items():
                 run_dir = Path(tmp) / f"round{r}-{name.replace('=', '').replace(' ', '_')}"
-                results[name].append(run_once(common + layout, run_dir))
+                summary = run_once(common + layout, run_dir)
+                results[name].append(summary["tokens_per_s"])
+                bubbles[name] = (summary["bubble_fraction_measured"], summary["bubble_fraction_simulated"])
     base = statistics.median(results["pp=1"])
-    print(f"{'layout':<26}{'tokens/s (median)':>20}{'ratio to pp=1':>16}   runs")
+    print(
+        f"{'layout':<28}{'tokens/s':>9}{'vs pp=1':>8}  {'bubble measured':>16}  {'simulated':>12}  {'gap pp':>6}   runs"
+    )
     for name, values in results.items():
         med = statistics.median(values)
-        print(f"{name:<26}{med:>20.0f}{med / base:>16.2f}   {', '.join(f'{v:.0f}' for v in values)}")
+        measured, simulated = bubbles[name]
+        gap = max(abs(a - b) for a, b in zip(measured, simulated, strict=True)) * 100
+        print(
+            f"{name:<28}{med:>9.0f}{med / base:>8.2f}  {'/'.join(f'{b:.3f}' for b in measured):>16}  "
+            f"{'/'.join(f'{b:.3f}' for b in simulated):>12}  {gap:>6.1f}   {', '.join(f'{v:.0f}' for v in values)}"
+        )
 
 
 if __name__ == "__main__":
