@@ -9,7 +9,7 @@ import pytest
 from conftest import train_run
 from pipetrain.pipeline.schedules import build_schedule
 from pipetrain.pipeline.simulate import simulate
-from pipetrain.profiling import PipelineTimeline, mean_costs, measured_bubble, step_spans
+from pipetrain.profiling import PipelineTimeline, comm_latency, mean_costs, measured_bubble, step_spans
 
 
 def records_from(sim, *, hosts=("node0",), scale_ns=1_000_000, shift_ns=0):
@@ -35,7 +35,7 @@ def test_measured_bubble_of_a_simulated_run_equals_the_simulation(name, pp, vpp)
     costs = dict(
         forward=[1.0 + 0.5 * s for s in range(table.num_stages)], backward=3.0, backward_input=1.5, backward_weight=1.0
     )
-    sim = simulate(table, **costs)
+    sim = simulate(table, **costs, comm=0.25)
     spans, wall = step_spans(records_from(sim, shift_ns=5_000_000_000))
     assert wall == pytest.approx(sim.makespan / 1000)
     for r, b in measured_bubble(spans, wall).items():
@@ -43,12 +43,15 @@ def test_measured_bubble_of_a_simulated_run_equals_the_simulation(name, pp, vpp)
     # Mean costs recovered from the timeline, fed back to the simulator, predict the same bubbles.
     measured = mean_costs([spans], table.num_stages)
     assert measured["F"] == pytest.approx([c / 1000 for c in costs["forward"]])
+    comm = comm_latency([spans], table)
+    assert comm == pytest.approx(0.25 / 1000)
     again = simulate(
         table,
         forward=measured["F"],
         backward=measured["B"],
         backward_input=measured["I"],
         backward_weight=measured["W"],
+        comm=comm,
     )
     for r in sim.bubble:
         assert again.bubble[r] == pytest.approx(sim.bubble[r], abs=1e-9)

@@ -9,7 +9,8 @@ timings of all pp ranks to the first rank, which
 - computes each rank's measured bubble: the share of the step's wall time (first action start to
   last action end over all ranks) in which the rank ran no compute action;
 - feeds the simulator (:mod:`pipetrain.pipeline.simulate`) with the measured mean cost of each
-  (action kind, stage) and keeps its per-rank bubble, the prediction for those costs.
+  (action kind, stage) and the measured latency of one message between ranks, and keeps its
+  per-rank bubble, the prediction for those costs.
 
 Ranks on one host share ``perf_counter``'s clock (CLOCK_MONOTONIC), so their spans line up.
 Across hosts the clocks differ: each rank's spans are then placed relative to its own step start
@@ -25,6 +26,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from pipetrain.pipeline.check import requires
 from pipetrain.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from pipetrain.pipeline.simulate import simulate
 from pipetrain.pipeline.timeline import draw_gantt, write_chrome_trace
@@ -70,6 +72,33 @@ def mean_costs(steps: list[dict[int, list]], num_stages: int) -> dict[str, list[
     }
 
 
+def comm_latency(steps: list[dict[int, list]], table) -> float:
+    """Median seconds from a message's producer ending to its consumer starting, over the cross-rank
+    messages the consumer sat waiting for (its rank was idle when the producer ended); 0 if none.
+
+    Needs the ranks' clocks to agree (one host).
+    """
+    samples = []
+    n = table.num_stages
+    for spans in steps:
+        end = {(a.stage, a.kind, a.microbatch): e for sp in spans.values() for a, _, e in sp}
+        for rank, sp in spans.items():
+            for i, (a, start, _) in enumerate(sp):
+                idle_since = sp[i - 1][2] if i else float("-inf")
+                for kind, stage, mb in requires(a, n):
+                    if stage == a.stage or table.placement[stage] == rank:
+                        continue
+                    producer = (stage, FORWARD, mb) if kind == "act" else None
+                    if producer is None:
+                        producer = (
+                            (stage, BACKWARD_INPUT, mb) if (stage, BACKWARD_INPUT, mb) in end else (stage, BACKWARD, mb)
+                        )
+                    ready = end.get(producer)
+                    if ready is not None and idle_since <= ready <= start:
+                        samples.append(start - ready)
+    return statistics.median(samples) if samples else 0.0
+
+
 class PipelineTimeline(Callback):
     """Gather, draw and summarise measured timelines every ``every_n_steps`` training steps.
 
@@ -93,6 +122,7 @@ class PipelineTimeline(Callback):
         self.recorded: list[dict[int, list]] = []
         self.measured: list[dict[int, float]] = []
         self._table = None
+        self._same_host: bool | None = None
 
     def _due(self, step: int) -> bool:
         if not self.every_n_steps:
@@ -112,6 +142,7 @@ class PipelineTimeline(Callback):
         if not trainer.is_global_zero or records is None:
             return
         self._table = executor.table
+        self._same_host = len({rec["host"] for rec in records}) == 1
         spans, wall = step_spans(records)
         self.steps.append(step)
         self.recorded.append(spans)
@@ -141,8 +172,16 @@ class PipelineTimeline(Callback):
             backward=costs[BACKWARD],
             backward_input=costs[BACKWARD_INPUT],
             backward_weight=costs[BACKWARD_WEIGHT],
+            comm=self.comm_latency,
         )
         return sim.bubble
+
+    @property
+    def comm_latency(self) -> float:
+        """Measured latency of one message between ranks (see :func:`comm_latency`), seconds."""
+        if self._same_host is False:
+            return 0.0
+        return comm_latency(self.recorded, self._table)
 
     def summary(self) -> dict[str, Any]:
         """``bubble_fraction_measured`` (per pp rank, mean over recorded steps),
@@ -155,5 +194,6 @@ class PipelineTimeline(Callback):
         return {
             "bubble_fraction_measured": [statistics.fmean(m[r] for m in self.measured) for r in ranks],
             "bubble_fraction_simulated": [sim[r] for r in ranks],
+            "comm_latency_s": self.comm_latency,
             "timeline_steps": self.steps,
         }

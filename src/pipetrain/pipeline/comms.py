@@ -17,6 +17,12 @@ and interleaved zero bubble do). :meth:`P2PComms.expect` gives, per peer, the ta
 a receive then first takes, into a holding buffer, every earlier message of that peer. Waiting for
 an earlier message never blocks longer than waiting for the wanted one, which the peer sends later,
 so this adds no deadlock to a table that ``check`` accepts.
+
+Prefetch (gloo): a receive's data only moves once it is posted, so a receive posted when its
+consumer starts puts the transfer on the critical path. On gloo each peer's next expected message
+is therefore always posted ahead (one buffer per peer), in send order, as soon as the previous one
+arrives. On NCCL a posted receive would hold the communicator's stream, and this rank's own sends
+behind it, until the peer sends; there receives stay on demand, grouped with the pending sends.
 """
 
 from __future__ import annotations
@@ -45,24 +51,45 @@ class P2PComms:
         rank: this process's rank inside ``group``.
         device: where received buffers live (the model's device).
         dtype: wire dtype of activations and gradients.
+        prefetch: post each peer's next receive ahead (default: on for gloo, off otherwise).
     """
 
     group: dist.ProcessGroup | None
     rank: int
     device: torch.device
     dtype: torch.dtype
+    prefetch: bool | None = None
     _outbox: list = field(default_factory=list)
     _pending: list = field(default_factory=list)
     _local: dict = field(default_factory=dict)
     _expected: dict = field(default_factory=dict)
     _early: dict = field(default_factory=dict)
+    _inflight: dict = field(default_factory=dict)
+    _shape: tuple | None = None
 
-    def expect(self, incoming: dict[int, list[int]]) -> None:
+    def __post_init__(self) -> None:
+        if self.prefetch is None:
+            self.prefetch = self.group is not None and dist.get_backend(self.group) == "gloo"
+
+    def expect(self, incoming: dict[int, list[int]], shape: tuple[int, ...] | None = None) -> None:
         """Start a step: ``incoming[peer]`` lists the tags ``peer`` sends here, in its send order.
 
-        Every message of a step has the shape of the receive that asks for it, (B, T, C).
+        Every message of a step has one shape, ``shape`` (B, T, C); with it, prefetching starts.
         """
-        self._expected = {peer: deque(tags) for peer, tags in incoming.items()}
+        self._expected = {peer: deque(tags) for peer, tags in incoming.items() if peer != self.rank}
+        self._shape = shape
+        if self.prefetch and shape is not None:
+            for peer in self._expected:
+                self._prefetch(peer)
+
+    def _prefetch(self, peer: int) -> None:
+        queue = self._expected.get(peer)
+        if not queue or peer in self._inflight:
+            return
+        tag = queue.popleft()
+        buffer = torch.empty(self._shape, dtype=self.dtype, device=self.device)
+        work = dist.irecv(buffer, group=self.group, group_src=peer, tag=tag)
+        self._inflight[peer] = (tag, work, buffer)
 
     def send(self, tensor: torch.Tensor, *, peer: int, tag: int) -> None:
         """Send ``tensor`` to pp rank ``peer`` without waiting for it to be received."""
@@ -101,6 +128,16 @@ class P2PComms:
             return self._local.pop(tag)
         if tag in self._early:
             return self._early.pop(tag)
+        if self.prefetch and self._shape is not None and peer in self._expected:
+            self.post_sends()  # about to block: let the peers have what they wait for
+            while peer in self._inflight:
+                got, work, buffer = self._inflight.pop(peer)
+                work.wait()
+                self._prefetch(peer)
+                if got == tag:
+                    return buffer
+                self._early[got] = buffer
+            raise RuntimeError(f"rank {self.rank}: no message with tag {tag} is expected from rank {peer}")
         queue = self._expected.get(peer)
         if queue:
             while queue[0] != tag:
@@ -126,3 +163,4 @@ class P2PComms:
         self._pending.clear()
         assert not self._local, f"local messages never received: {sorted(self._local)}"
         assert not self._early, f"messages received but never used: {sorted(self._early)}"
+        assert not self._inflight, f"receives posted for messages never sent: {sorted(self._inflight)}"

@@ -124,7 +124,7 @@ class PipelineExecutor:
         losses: list[torch.Tensor] = []
         timings: list[tuple[Action, int, int]] = []
         clock = time.perf_counter_ns
-        self.comms.expect(self._incoming[forward_only])
+        self.comms.expect(self._incoming[forward_only], shape=self.hidden_shape)
         step_start = clock()
         grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
         with grad_mode:
