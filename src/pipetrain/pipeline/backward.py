@@ -14,7 +14,9 @@ How, on an autograd graph from ``input`` to ``output``:
 - W restarts autograd at those boundary nodes with the recorded gradients and asks only for the
   parameters that hang off them: the weight-gradient matmuls, nothing on the input path again.
 
-Parameters that share boundary nodes are done in one autograd call. A parameter used at two
+The last stage computes its LM head's weight gradient in the I (``eager_params``): deferring it
+would keep dL/d logits, a (B, T, V) tensor, per microbatch until the W. Parameters that share
+boundary nodes are done in one autograd call. A parameter used at two
 depths of the input path (one boundary node above the other) is done from the output instead:
 correct, at the cost of running that path again. The first stage has no input
 (its input is token ids), so its I does nothing and its W is the full backward. Gradients are
@@ -40,7 +42,6 @@ class WeightGradWork:
 
     groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.nn.Parameter]]] = field(default_factory=list)
     full: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    params: Sequence[torch.nn.Parameter] = ()
 
 
 def _parents(root: Node) -> dict[Node, list[Node]]:
@@ -69,31 +70,56 @@ def _ancestors(parents: dict[Node, list[Node]], target: Node) -> set[Node]:
     return found
 
 
+def _accumulate(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad += g
+
+
 def backward_input(
     output: torch.Tensor,
+    *,
     grad_output: torch.Tensor | None,
-    input: torch.Tensor | None,
+    stage_input: torch.Tensor | None,
     params: Sequence[torch.nn.Parameter],
+    eager_params: Sequence[torch.nn.Parameter] = (),
 ) -> tuple[torch.Tensor | None, WeightGradWork]:
-    """I: the gradient of ``input`` only; return it and the work a later W needs.
+    """I: the gradient of ``stage_input``; return it and the work a later W needs.
+
+    Memory: after the I, only the boundary nodes (with the tensors they saved, the inputs of the
+    weight-using operations) and the gradients recorded at their outputs stay alive, once the
+    caller drops ``output``; the part of the graph above them is freed. ``eager_params`` get their
+    weight gradient here instead (the LM head: its W would keep dL/d logits, (B, T, V), per
+    microbatch).
 
     Args:
         output: the stage's output (hidden (B, T, C), or the scaled 0-dim loss on the last stage).
         grad_output: dL/d output, same shape as ``output`` (None for a 0-dim loss).
-        input: the stage's input, a leaf with ``requires_grad`` (None on the first stage).
-        params: the stage's parameters.
+        stage_input: the stage's input, a leaf with ``requires_grad`` (None on the first stage,
+            whose input is token ids: the whole backward is then deferred to the W).
+        params: the stage's parameters (``eager_params`` among them or not).
+        eager_params: parameters whose gradient is computed and accumulated in this I.
 
     Returns:
-        (dL/d input or None, the W work). The graph stays alive until the W runs.
+        (dL/d stage_input or None, the W work).
+
+    Raises:
+        RuntimeError: from autograd, e.g. when ``output`` does not depend on ``stage_input``.
     """
-    params = [p for p in params if p.requires_grad]
-    if input is None:
-        return None, WeightGradWork(full=(output, grad_output), params=params)
+    eager_ids = {id(p) for p in eager_params}
+    eager = [p for p in eager_params if p.requires_grad]
+    deferred = [p for p in params if p.requires_grad and id(p) not in eager_ids]
+    if stage_input is None:
+        return None, WeightGradWork(full=(output, grad_output))
     root = output.grad_fn
     parents = _parents(root)
-    on_path = _ancestors(parents, get_gradient_edge(input).node)
+    on_path = _ancestors(parents, get_gradient_edge(stage_input).node)
     boundary_of: dict[torch.nn.Parameter, frozenset[Node]] = {}
-    for p in params:
+    for p in deferred:
         acc = get_gradient_edge(p).node
         if acc not in parents:
             continue  # not used in this graph
@@ -106,7 +132,7 @@ def backward_input(
                     seen.add(parent)
                     stack.append(parent)
         # A parameter that never meets the input path is reached from the output itself.
-        boundary_of[p] = frozenset(found) if found else frozenset()
+        boundary_of[p] = frozenset(found)
     captured: dict[Node, tuple] = {}
     handles = []
     for node in set().union(*boundary_of.values()) if boundary_of else ():
@@ -116,31 +142,34 @@ def backward_input(
 
         handles.append(node.register_prehook(record))
     try:
-        (grad_input,) = torch.autograd.grad(output, input, grad_outputs=grad_output, retain_graph=True)
+        grads = torch.autograd.grad(
+            output, [stage_input, *eager], grad_outputs=grad_output, retain_graph=True, allow_unused=True
+        )
     finally:
         for handle in handles:
             handle.remove()
-    work = WeightGradWork(params=params)
+    _accumulate(eager, grads[1:])
+    work = WeightGradWork()
     groups: dict[frozenset[Node], list[torch.nn.Parameter]] = {}
     for p, nodes in boundary_of.items():
         groups.setdefault(nodes, []).append(p)
     for nodes, group in groups.items():
-        edges, grads = [], []
+        edges, seeds = [], []
         if len(nodes) > 1 and any(_ancestors(parents, n) & (nodes - {n}) for n in nodes):
             # A weight used at two depths of the input path: restarting at both boundary nodes
             # would count the lower one's gradient twice. Restart from the output instead.
             nodes = frozenset()
         if not nodes:
             edges.append(get_gradient_edge(output))
-            grads.append(grad_output if grad_output is not None else torch.ones_like(output))
+            seeds.append(grad_output if grad_output is not None else torch.ones_like(output))
         for node in nodes:
             for i, g in enumerate(captured.get(node, ())):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
-                    grads.append(g)
+                    seeds.append(g)
         if edges:
-            work.groups.append((edges, grads, group))
-    return grad_input, work
+            work.groups.append((edges, seeds, group))
+    return grads[0], work
 
 
 def backward_weight(work: WeightGradWork) -> None:
@@ -149,13 +178,6 @@ def backward_weight(work: WeightGradWork) -> None:
         output, grad_output = work.full
         torch.autograd.backward(output, grad_tensors=grad_output)
         return
-    for edges, grads, group in work.groups:
-        weight_grads = torch.autograd.grad(edges, group, grad_outputs=grads, retain_graph=True, allow_unused=True)
-        for p, g in zip(group, weight_grads, strict=True):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
+    for edges, seeds, group in work.groups:
+        _accumulate(group, torch.autograd.grad(edges, group, grad_outputs=seeds, retain_graph=True, allow_unused=True))
     work.groups.clear()

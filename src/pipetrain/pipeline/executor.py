@@ -76,6 +76,13 @@ class PipelineExecutor:
         self.last_stage = table.num_stages - 1
         self.actions = table.compute_actions(rank)
         self.params = {s: [p for p in chunk.parameters() if p.requires_grad] for s, chunk in chunks.items()}
+        # The LM head's weight gradient is computed in the I (see backward_input).
+        self.eager = {
+            s: list(chunk.head.parameters())
+            if s == self.last_stage and getattr(chunk, "head", None) is not None
+            else []
+            for s, chunk in chunks.items()
+        }
         self.timings: list[tuple[Action, int, int]] = []
         self.step_span_ns: tuple[int, int] = (0, 0)
         # Per peer, the tags of the messages it sends here, in its send order.
@@ -164,7 +171,11 @@ class PipelineExecutor:
                         torch.autograd.backward(out, grad_tensors=grad)
                         grad_input = None if x is None else x.grad
                     else:
-                        grad_input, weight_work[(s, mb)] = backward_input(out, grad, x, self.params[s])
+                        grad_input, weight_work[(s, mb)] = backward_input(
+                            out, grad_output=grad, stage_input=x, params=self.params[s], eager_params=self.eager[s]
+                        )
+                    # Drop this action's references: after an I only what its W needs stays alive.
+                    del x, out, grad
                     if s > 0:
                         self.comms.send(grad_input, peer=self._peer(s - 1), tag=self._tag(GRADIENT, s, mb))
                 elif kind == BACKWARD_WEIGHT:
