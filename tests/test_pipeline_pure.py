@@ -182,8 +182,14 @@ GOOD_SPLIT = {0: ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"], 1: ["1F0", "1I0", "
 
 # One broken table of each kind, and the start of the error it must raise (rank, step, action).
 BROKEN = {
-    "missing action": ({0: GOOD[0], 1: ["1F0", "1B0", "1F1"]}, "rank 1: missing backward of stage 1 microbatch 1"),
-    "missing W": ({0: GOOD_SPLIT[0], 1: ["1F0", "1I0", "1F1", "1I1", "1W0"]}, "rank 1: missing action 1W1: 1I1 needs"),
+    "missing action": (
+        {0: GOOD[0], 1: ["1F0", "1B0", "1F1"]},
+        "rank 1, action 1B1: missing backward of stage 1 microbatch 1",
+    ),
+    "missing W": (
+        {0: GOOD_SPLIT[0], 1: ["1F0", "1I0", "1F1", "1I1", "1W0"]},
+        "rank 1, action 1W1: missing action 1W1: 1I1 needs",
+    ),
     "duplicate action": ({0: ["0F0", "0F1", "0F1", "0B0", "0B1"], 1: GOOD[1]}, "rank 0, step 2, action 0F1: duplicate"),
     "B before its F": ({0: GOOD[0], 1: ["1B0", "1F0", "1F1", "1B1"]}, "rank 1, step 0, action 1B0: runs before 1F0"),
     "I before its F": (
@@ -200,7 +206,7 @@ BROKEN = {
     ),
     "B and I/W mixed": (
         {0: GOOD[0], 1: ["1F0", "1B0", "1I0", "1W0", "1F1", "1B1"]},
-        "rank 1: stage 1 microbatch 0 has a full backward 1B0 and also I/W",
+        "rank 1, action 1B0: stage 1 microbatch 0 has a full backward 1B0 and also I/W",
     ),
     # rank 0 waits for microbatch 0's gradient before it sends microbatch 1's activation, while
     # rank 1 waits for that activation before it sends the gradient.

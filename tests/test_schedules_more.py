@@ -38,6 +38,8 @@ def test_accepted_sizes_of_the_new_schedules():
     assert sizes["interleaved_zb"] == {g for g in grid if g[1] >= 2 and (g[0] == 1 or g[2] % g[0] == 0)}
     with pytest.raises(ValueError, match="parallel.vpp=3 must be 2"):
         build_schedule("zbv", pp=2, vpp=3, num_microbatches=4)
+    with pytest.raises(ValueError, match="use schedule=zb_h1"):
+        build_schedule("interleaved_zb", pp=2, vpp=1, num_microbatches=4)
     with pytest.raises(ValueError, match="interleaved_zb needs parallel.num_microbatches"):
         build_schedule("interleaved_zb", pp=4, vpp=2, num_microbatches=6)
 
@@ -185,6 +187,8 @@ def test_gpipe_on_follows_any_placement():
 
 def test_resolve_placement():
     zbv = build_schedule("zbv", pp=2, vpp=2, num_microbatches=4)
+    with pytest.raises(ValueError, match=r"parallel.placement='zigzag' is not supported; use one of \('auto'"):
+        resolve_placement(zbv, "zigzag")
     assert resolve_placement(zbv, "auto") == (0, 1, 1, 0) == resolve_placement(zbv, "v")
     with pytest.raises(ValueError, match="parallel.placement=loop .* schedule zbv .* use parallel.placement=auto"):
         resolve_placement(zbv, "loop")
@@ -220,6 +224,7 @@ def test_csv_table_through_build_schedule(tmp_path):
         ("0F0,0X0\n1F0\n", r"row 1 \(rank 0\) cell 2: cannot parse action '0X0'"),
         ("0F0,0B0,2F0,2B0\n1F0,1B0\n", "3 stages .* cannot be spread evenly over 2 ranks"),
         ("0F0,0B0,3F0,3B0\n1F0,1B0,3F0\n", r"stages \[2\] appear in no row"),
+        ("0F0,1F0,2F0,2B0,1B0,0B0\n3F0,3B0\n", r"row 1 \(rank 0\) holds 3 stages, but 4 stages over 2 ranks"),
     ],
 )
 def test_bad_csv_names_file_and_problem(tmp_path, text, message):

@@ -29,7 +29,7 @@ from lightning.pytorch import Callback
 from pipetrain.pipeline.check import requires
 from pipetrain.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from pipetrain.pipeline.simulate import simulate
-from pipetrain.pipeline.timeline import draw_gantt, write_chrome_trace
+from pipetrain.pipeline.timeline import bubble_fractions, draw_gantt, write_chrome_trace
 
 
 def step_spans(records: list[dict]) -> tuple[dict[int, list], float]:
@@ -56,7 +56,7 @@ def step_spans(records: list[dict]) -> tuple[dict[int, list], float]:
 
 def measured_bubble(spans: dict[int, list], wall: float) -> dict[int, float]:
     """Per rank, 1 - (time in compute actions) / wall."""
-    return {r: (1.0 - sum(e - s for _, s, e in sp) / wall) if wall > 0 else 0.0 for r, sp in spans.items()}
+    return bubble_fractions(spans, makespan=wall)
 
 
 def mean_costs(steps: list[dict[int, list]], num_stages: int) -> dict[str, list[float]]:

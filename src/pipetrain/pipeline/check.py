@@ -4,7 +4,9 @@
 communication, the way the executor runs it: a ``RECV_F``/``RECV_B`` right before the action that
 consumes a message from another rank, a ``SEND_F``/``SEND_B`` right after the action that produces
 one (see :func:`lower`). A table that already lists SEND/RECV actions (torch.distributed.pipelining's
-lowered CSV, or the output of :func:`lower`) is checked as written. It then proves:
+lowered CSV, or the output of :func:`lower`) is checked as written; the executor still runs
+only its compute actions, with its own communication (sending as early and receiving as late as
+the checked order, so it cannot deadlock where the written order does not). It then proves:
 
 1. completeness: every stage has, for every microbatch, one F and either one B or one I and one W;
    a stage's actions are all on one rank, the one the placement gives it;
@@ -171,30 +173,30 @@ def _check_complete(table: ScheduleTable) -> None:
         rank = table.placement[s]
         for mb in range(m):
             has = {kind for kind in COMPUTE_KINDS if Action(s, kind, mb) in seen}
-            problem = None
+            problem, action = None, None
             if FORWARD not in has:
-                problem = f"missing action {Action(s, FORWARD, mb)}: stage {s} needs one F per microbatch"
+                action = Action(s, FORWARD, mb)
+                problem = f"missing action {action}: stage {s} needs one F per microbatch"
             elif BACKWARD in has and has & {BACKWARD_INPUT, BACKWARD_WEIGHT}:
+                action = Action(s, BACKWARD, mb)
                 problem = (
-                    f"stage {s} microbatch {mb} has a full backward {Action(s, BACKWARD, mb)} and also I/W; "
-                    "use B, or I and W, not both"
+                    f"stage {s} microbatch {mb} has a full backward {action} and also I/W; use B, or I and W, not both"
                 )
             elif BACKWARD_INPUT in has and BACKWARD_WEIGHT not in has:
-                problem = (
-                    f"missing action {Action(s, BACKWARD_WEIGHT, mb)}: {Action(s, BACKWARD_INPUT, mb)} needs its W"
-                )
+                action = Action(s, BACKWARD_WEIGHT, mb)
+                problem = f"missing action {action}: {Action(s, BACKWARD_INPUT, mb)} needs its W"
             elif BACKWARD_WEIGHT in has and BACKWARD_INPUT not in has:
-                problem = (
-                    f"missing action {Action(s, BACKWARD_INPUT, mb)}: {Action(s, BACKWARD_WEIGHT, mb)} needs its I"
-                )
+                action = Action(s, BACKWARD_INPUT, mb)
+                problem = f"missing action {action}: {Action(s, BACKWARD_WEIGHT, mb)} needs its I"
             elif not has & {BACKWARD, BACKWARD_INPUT}:
+                action = Action(s, BACKWARD, mb)
                 problem = (
                     f"missing backward of stage {s} microbatch {mb}: "
                     f"needs {Action(s, BACKWARD, mb)}, or {Action(s, BACKWARD_INPUT, mb)} and "
                     f"{Action(s, BACKWARD_WEIGHT, mb)}"
                 )
             if problem:
-                raise ScheduleError(problem, rank=rank)
+                raise ScheduleError(problem, rank=rank, action=action)
 
 
 def _lowered(table: ScheduleTable) -> dict[int, tuple[Action, ...]]:

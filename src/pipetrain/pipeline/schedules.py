@@ -14,11 +14,12 @@ import csv
 import io
 import os
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipetrain.pipeline.partition import placement_table
+from pipetrain.pipeline.partition import PLACEMENTS, placement_table
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -407,6 +408,8 @@ def _zb_h1_sizes(pp: int, vpp: int, m: int) -> str | None:
 
 
 def _interleaved_zb_sizes(pp: int, vpp: int, m: int) -> str | None:
+    if vpp < 2:
+        return f"schedule interleaved_zb needs parallel.vpp >= 2, got {vpp} (use schedule=zb_h1 for one stage per rank)"
     reason = _interleaved_sizes(pp, vpp, m)
     return None if reason is None else reason.replace("interleaved_1f1b", "interleaved_zb")
 
@@ -587,7 +590,8 @@ def read_csv_table(path: str | os.PathLike, *, name: str = CSV) -> ScheduleTable
     microbatch + 1, and a stage lives on the first rank whose row names it (``check`` rejects a
     stage that appears on two ranks). torch's parameter-sharding actions (``0UNSHARD``,
     ``0RESHARD``, ``0REDUCE_GRAD``: FSDP hooks of its lowered tables) are skipped: pipetrain
-    stages hold their parameters whole.
+    stages hold their parameters whole. Overlapped cells (``(0F3;3B1)OVERLAP_F_B``, torch's
+    DualPipeV) are not supported and are reported as unparsable.
 
     Raises:
         ValueError: the file is missing or unreadable, a cell is not an action, or the sizes are
@@ -634,6 +638,14 @@ def read_csv_table(path: str | os.PathLike, *, name: str = CSV) -> ScheduleTable
     missing = [s for s in range(num_stages) if s not in home]
     if missing:
         raise ValueError(f"schedule.path={path}: stages {missing} appear in no row")
+    per_rank = Counter(home.values())
+    on_two_ranks = any(a.stage in home and home[a.stage] != r for r, acts in actions.items() for a in acts)
+    for rank in range(pp if not on_two_ranks else 0):  # a stage on two rows: check() names it
+        if per_rank[rank] != num_stages // pp:
+            raise ValueError(
+                f"schedule.path={path}: row {rank + 1} (rank {rank}) holds {per_rank[rank]} stages, but "
+                f"{num_stages} stages over {pp} ranks means {num_stages // pp} on every rank"
+            )
     return ScheduleTable(
         name=name,
         pp=pp,
@@ -669,6 +681,8 @@ def resolve_placement(table: ScheduleTable, placement: str) -> tuple[int, ...]:
     """
     if placement == "auto":
         return table.placement
+    if placement not in PLACEMENTS:
+        raise ValueError(f"parallel.placement={placement!r} is not supported; use one of {('auto', *PLACEMENTS)}")
     wanted = placement_table(pp=table.pp, vpp=table.vpp, placement=placement)
     if wanted != table.placement:
         raise ValueError(

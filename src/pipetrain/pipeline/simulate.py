@@ -7,8 +7,8 @@ reproduces the closed forms:
 
 - GPipe and 1F1B (F=1, B=2): bubble (pp-1)/(m+pp-1) (Huang et al. 2019; Narayanan et al. 2021);
 - interleaved 1F1B, m a multiple of pp: (pp-1)/(vpp*m+pp-1) (Narayanan et al. SC'21, 2.2.2);
-- ZB-H1 (F=I=W=1): idle time (pp-1)(F+I-W) per rank, against 1F1B's (pp-1)(F+B) (Qi et al.,
-  ICLR 2024, section 3.1).
+- ZB-H1 (m >= pp, W <= I): idle time (pp-1)(F+I-W) per rank, against 1F1B's (pp-1)(F+B) (Qi et
+  al., ICLR 2024, section 3.1).
 
 Memory is counted in microbatch-stages: an activation is live from its F until the backward that
 frees it (its B, or its W: the I keeps what the W needs), and a weight-gradient input is stashed
