@@ -109,6 +109,6 @@ def test_csv_schedule_of_other_sizes_or_broken_names_the_problem(tmp_path):
     table.write_text("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n")  # deadlocks (see the checker's tests)
     _assert_fails_fast(
         ["schedule=csv", f"schedule.path={table}", "parallel.pp=2", "parallel.num_microbatches=2"],
-        "deadlock",
+        f"schedule.path={table}: rank 0, step 1, action 0B0: deadlock",
         tmp_path,
     )

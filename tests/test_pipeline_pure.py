@@ -188,7 +188,7 @@ BROKEN = {
     ),
     "missing W": (
         {0: GOOD_SPLIT[0], 1: ["1F0", "1I0", "1F1", "1I1", "1W0"]},
-        "rank 1, action 1W1: missing action 1W1: 1I1 needs",
+        "rank 1, action 1W1: missing: 1I1 needs its W",
     ),
     "duplicate action": ({0: ["0F0", "0F1", "0F1", "0B0", "0B1"], 1: GOOD[1]}, "rank 0, step 2, action 0F1: duplicate"),
     "B before its F": ({0: GOOD[0], 1: ["1B0", "1F0", "1F1", "1B1"]}, "rank 1, step 0, action 1B0: runs before 1F0"),

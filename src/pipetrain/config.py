@@ -386,7 +386,12 @@ def validate(cfg: Any) -> None:
     table = build_schedule(
         cfg.schedule.name, pp=par.pp, vpp=par.vpp, num_microbatches=par.num_microbatches, path=cfg.schedule.path
     )
-    check(table)
+    try:
+        check(table)
+    except ValueError as err:
+        if cfg.schedule.name == "csv":  # name the file the broken table came from
+            raise ValueError(f"schedule.path={cfg.schedule.path}: {err}") from None
+        raise
     partition(model.n_layer, pp=par.pp, vpp=par.vpp, placement=resolve_placement(table, par.placement))
     _validate_optim(optim)
     if cfg.timeline_every_n_steps < 0:

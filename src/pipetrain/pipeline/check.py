@@ -176,7 +176,7 @@ def _check_complete(table: ScheduleTable) -> None:
             problem, action = None, None
             if FORWARD not in has:
                 action = Action(s, FORWARD, mb)
-                problem = f"missing action {action}: stage {s} needs one F per microbatch"
+                problem = f"missing: stage {s} needs one F per microbatch"
             elif BACKWARD in has and has & {BACKWARD_INPUT, BACKWARD_WEIGHT}:
                 action = Action(s, BACKWARD, mb)
                 problem = (
@@ -184,10 +184,10 @@ def _check_complete(table: ScheduleTable) -> None:
                 )
             elif BACKWARD_INPUT in has and BACKWARD_WEIGHT not in has:
                 action = Action(s, BACKWARD_WEIGHT, mb)
-                problem = f"missing action {action}: {Action(s, BACKWARD_INPUT, mb)} needs its W"
+                problem = f"missing: {Action(s, BACKWARD_INPUT, mb)} needs its W"
             elif BACKWARD_WEIGHT in has and BACKWARD_INPUT not in has:
                 action = Action(s, BACKWARD_INPUT, mb)
-                problem = f"missing action {action}: {Action(s, BACKWARD_WEIGHT, mb)} needs its I"
+                problem = f"missing: {Action(s, BACKWARD_WEIGHT, mb)} needs its I"
             elif not has & {BACKWARD, BACKWARD_INPUT}:
                 action = Action(s, BACKWARD, mb)
                 problem = (
