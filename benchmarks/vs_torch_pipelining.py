@@ -71,7 +71,7 @@ from pipetrain.pipeline.comms import P2PComms
 from pipetrain.pipeline.executor import PipelineExecutor, summed_cross_entropy
 from pipetrain.pipeline.partition import stage_layer_ranges
 from pipetrain.pipeline.schedules import ScheduleTable, build_schedule
-from pipetrain.pipeline.simulate import simulate
+from pipetrain.pipeline.simulate import simulate_rank_share
 
 PP = 2
 SEED = 1234
@@ -317,14 +317,9 @@ def single_process_costs(model: GPT2Config, batch: Batch, *, warmup: int, steps:
 
 
 def simulated_bubble(table: ScheduleTable, costs: dict[str, float]) -> float:
-    """Max-over-ranks bubble the cost model predicts for ``table`` with one stage's share of ``costs``."""
-    v = table.vpp
-    sim = simulate(
-        table,
-        forward=costs["F"] / v,
-        backward=costs["B"] / v,
-        backward_input=costs["I"] / v,
-        backward_weight=costs["W"] / v,
+    """Max-over-ranks bubble the cost model predicts for ``table`` with ``costs`` for the whole model."""
+    sim = simulate_rank_share(
+        table, forward=costs["F"], backward=costs["B"], backward_input=costs["I"], backward_weight=costs["W"]
     )
     return sim.max_bubble
 

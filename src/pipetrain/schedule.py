@@ -51,17 +51,16 @@ def render(argv: list[str]) -> str:
     return render_config(compose_config(argv))
 
 
-def simulate_rank_share(table, costs):
-    """Simulate ``table`` with ``costs`` (a ``CostsConfig``) divided by vpp per stage."""
-    from pipetrain.pipeline.simulate import simulate
+def _simulate(table, costs):
+    """Simulate ``table`` with the CLI's ``costs`` (a ``CostsConfig``, per rank share)."""
+    from pipetrain.pipeline.simulate import simulate_rank_share
 
-    v = table.vpp
-    return simulate(
+    return simulate_rank_share(
         table,
-        forward=costs.forward / v,
-        backward=costs.backward / v,
-        backward_input=costs.backward_input / v,
-        backward_weight=costs.backward_weight / v,
+        forward=costs.forward,
+        backward=costs.backward,
+        backward_input=costs.backward_input,
+        backward_weight=costs.backward_weight,
         comm=costs.comm,
     )
 
@@ -110,7 +109,7 @@ def render_config(cfg) -> str:
         return render_table(table)
     if cfg.format == "grid":
         return render_grid(table)
-    sim = simulate_rank_share(table, cfg.costs)
+    sim = _simulate(table, cfg.costs)
     title = (
         f"{table.name}  pp={table.pp} vpp={table.vpp} m={table.num_microbatches}  simulated: makespan "
         f"{sim.makespan:g}, bubble {sim.max_bubble:.3f}"
@@ -186,7 +185,7 @@ def render_comparison(cfg) -> str:
             continue
         table = build_schedule(name, pp=par.pp, vpp=vpp, num_microbatches=par.num_microbatches)
         check(table)
-        sim = simulate_rank_share(table, cfg.costs)
+        sim = _simulate(table, cfg.costs)
         bubbles = list(sim.bubble.values())
         rows.append(
             (

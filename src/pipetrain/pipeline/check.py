@@ -298,7 +298,7 @@ def lockstep(table: ScheduleTable) -> dict[int, list[tuple[int, Action]]]:
                                 f"runs before {_producer_name(event, table)}, which it depends on and which "
                                 "this rank runs later",
                                 rank=rank,
-                                step=ptr[rank] if explicit else computed[rank],
+                                step=where(rank)[0],
                                 action=a,
                             )
                         if not local and event not in received[rank]:
@@ -306,7 +306,7 @@ def lockstep(table: ScheduleTable) -> dict[int, list[tuple[int, Action]]]:
                                 f"needs the {_describe(event)} from rank "
                                 f"{table.placement[event[1]]}, but no {_recv_for(event)} comes before it",
                                 rank=rank,
-                                step=ptr[rank] if explicit else computed[rank],
+                                step=where(rank)[0],
                                 action=a,
                             )
                     produced.update(produces(a))

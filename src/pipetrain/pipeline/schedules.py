@@ -638,14 +638,16 @@ def read_csv_table(path: str | os.PathLike, *, name: str = CSV) -> ScheduleTable
     missing = [s for s in range(num_stages) if s not in home]
     if missing:
         raise ValueError(f"schedule.path={path}: stages {missing} appear in no row")
+    # A stage named on two rows is left to check(), which names the rank, step and action.
+    on_two_ranks = any(home[a.stage] != r for r, acts in actions.items() for a in acts)
     per_rank = Counter(home.values())
-    on_two_ranks = any(a.stage in home and home[a.stage] != r for r, acts in actions.items() for a in acts)
-    for rank in range(pp if not on_two_ranks else 0):  # a stage on two rows: check() names it
-        if per_rank[rank] != num_stages // pp:
-            raise ValueError(
-                f"schedule.path={path}: row {rank + 1} (rank {rank}) holds {per_rank[rank]} stages, but "
-                f"{num_stages} stages over {pp} ranks means {num_stages // pp} on every rank"
-            )
+    uneven = [r for r in range(pp) if per_rank[r] != num_stages // pp]
+    if uneven and not on_two_ranks:
+        rank = uneven[0]
+        raise ValueError(
+            f"schedule.path={path}: row {rank + 1} (rank {rank}) holds {per_rank[rank]} stages, but "
+            f"{num_stages} stages over {pp} ranks means {num_stages // pp} on every rank"
+        )
     return ScheduleTable(
         name=name,
         pp=pp,

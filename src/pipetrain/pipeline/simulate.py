@@ -153,3 +153,25 @@ def _peaks(actions: dict[int, tuple[Action, ...]], opens: set[str], closes: set[
             peak = max(peak, live)
         peaks[rank] = peak
     return peaks
+
+
+def simulate_rank_share(
+    table: ScheduleTable,
+    *,
+    forward: float,
+    backward: float,
+    backward_input: float,
+    backward_weight: float,
+    comm: float = 0.0,
+) -> Simulation:
+    """:func:`simulate` with costs given for one rank's share of the layers (n_layer / pp): each
+    stage costs 1/vpp of them, so tables with different vpp compare at equal work."""
+    v = table.vpp
+    return simulate(
+        table,
+        forward=forward / v,
+        backward=backward / v,
+        backward_input=backward_input / v,
+        backward_weight=backward_weight / v,
+        comm=comm,
+    )
