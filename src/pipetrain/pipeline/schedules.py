@@ -75,6 +75,7 @@ class Action:
 
 
 GeneratorFn = Callable[[int, int, int], dict[int, list[Action]]]
+SizesFn = Callable[[int, int, int], str | None]
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class ScheduleSpec:
     """
 
     generate: GeneratorFn
-    unsupported: Callable[[int, int, int], str | None]
+    unsupported: SizesFn
     placement: str = "loop"
 
 
@@ -216,12 +217,6 @@ def one_f_one_b(pp: int, vpp: int, num_microbatches: int) -> dict[int, list[Acti
     return table
 
 
-def _needs_vpp_1(pp: int, vpp: int, m: int) -> str | None:
-    if vpp != 1:
-        return f"schedule 1f1b runs one stage per rank: parallel.vpp={vpp} must be 1 (use schedule=interleaved_1f1b)"
-    return None
-
-
 # --------------------------------------------------------------------------------------------
 # Interleaved 1F1B
 # --------------------------------------------------------------------------------------------
@@ -275,19 +270,6 @@ def _interleaved_order(pp: int, vpp: int, m: int) -> list[tuple[int, int]]:
     return order
 
 
-def _interleaved_sizes(pp: int, vpp: int, m: int) -> str | None:
-    if vpp < 2:
-        return (
-            f"schedule interleaved_1f1b needs parallel.vpp >= 2, got {vpp} (use schedule=1f1b for one stage per rank)"
-        )
-    if pp > 1 and m % pp != 0:
-        return (
-            f"schedule interleaved_1f1b needs parallel.num_microbatches to be a multiple of "
-            f"parallel.pp={pp}, got {m}; use {max(pp, m - m % pp)} or {m + pp - m % pp}"
-        )
-    return None
-
-
 # --------------------------------------------------------------------------------------------
 # Looped BFS
 # --------------------------------------------------------------------------------------------
@@ -318,15 +300,6 @@ def looped_bfs(pp: int, vpp: int, num_microbatches: int) -> dict[int, list[Actio
         bwd = [Action(s, BACKWARD, mb) for s in reversed(stages) for mb in reversed(range(m))]
         table[r] = fwd + bwd
     return table
-
-
-def _needs_vpp_2(name: str) -> Callable[[int, int, int], str | None]:
-    def unsupported(pp: int, vpp: int, m: int) -> str | None:
-        if vpp < 2:
-            return f"schedule {name} needs parallel.vpp >= 2, got {vpp} (use schedule=gpipe for one stage per rank)"
-        return None
-
-    return unsupported
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,19 +372,6 @@ def interleaved_zb(pp: int, vpp: int, num_microbatches: int) -> dict[int, list[A
         rank 3: .  .  .  F0 F1 F2 F3 f0 i0 f1 i1 f2 i2 f3 i3 w0 I0 w1 I1 w2 I2 w3 I3 W0 W1 W2 W3
     """
     return _zero_bubble_1f1b(pp, vpp, num_microbatches)
-
-
-def _zb_h1_sizes(pp: int, vpp: int, m: int) -> str | None:
-    if vpp != 1:
-        return f"schedule zb_h1 runs one stage per rank: parallel.vpp={vpp} must be 1 (use schedule=interleaved_zb)"
-    return None
-
-
-def _interleaved_zb_sizes(pp: int, vpp: int, m: int) -> str | None:
-    if vpp < 2:
-        return f"schedule interleaved_zb needs parallel.vpp >= 2, got {vpp} (use schedule=zb_h1 for one stage per rank)"
-    reason = _interleaved_sizes(pp, vpp, m)
-    return None if reason is None else reason.replace("interleaved_1f1b", "interleaved_zb")
 
 
 # --------------------------------------------------------------------------------------------
@@ -491,6 +451,42 @@ def zbv(pp: int, vpp: int, num_microbatches: int) -> dict[int, list[Action]]:
     return table
 
 
+# --------------------------------------------------------------------------------------------
+# sizes each schedule accepts
+# --------------------------------------------------------------------------------------------
+
+
+def _one_stage_per_rank(name: str, multi: str) -> SizesFn:
+    """Sizes rule of a schedule that runs one stage per rank; ``multi`` is its vpp >= 2 sibling."""
+
+    def unsupported(pp: int, vpp: int, m: int) -> str | None:
+        if vpp != 1:
+            return f"schedule {name} runs one stage per rank: parallel.vpp={vpp} must be 1 (use schedule={multi})"
+        return None
+
+    return unsupported
+
+
+def _several_stages_per_rank(name: str, single: str, *, groups_of_pp: bool) -> SizesFn:
+    """Sizes rule of a schedule with vpp >= 2 stages per rank; ``single`` is its one-stage sibling.
+
+    ``groups_of_pp``: microbatches go in groups of pp (Megatron's interleaving), so m must be a
+    multiple of pp (any m when pp == 1, where every stage is local).
+    """
+
+    def unsupported(pp: int, vpp: int, m: int) -> str | None:
+        if vpp < 2:
+            return f"schedule {name} needs parallel.vpp >= 2, got {vpp} (use schedule={single} for one stage per rank)"
+        if groups_of_pp and pp > 1 and m % pp != 0:
+            return (
+                f"schedule {name} needs parallel.num_microbatches to be a multiple of "
+                f"parallel.pp={pp}, got {m}; use {max(pp, m - m % pp)} or {m + pp - m % pp}"
+            )
+        return None
+
+    return unsupported
+
+
 def _zbv_sizes(pp: int, vpp: int, m: int) -> str | None:
     if vpp != 2:
         return f"schedule zbv places exactly two stages on each rank (a V): parallel.vpp={vpp} must be 2"
@@ -503,12 +499,16 @@ def _zbv_sizes(pp: int, vpp: int, m: int) -> str | None:
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec(gpipe, _any_sizes),
-    "1f1b": ScheduleSpec(one_f_one_b, _needs_vpp_1),
-    "interleaved_1f1b": ScheduleSpec(interleaved_1f1b, _interleaved_sizes),
-    "looped_bfs": ScheduleSpec(looped_bfs, _needs_vpp_2("looped_bfs")),
-    "zb_h1": ScheduleSpec(zb_h1, _zb_h1_sizes),
+    "1f1b": ScheduleSpec(one_f_one_b, _one_stage_per_rank("1f1b", "interleaved_1f1b")),
+    "interleaved_1f1b": ScheduleSpec(
+        interleaved_1f1b, _several_stages_per_rank("interleaved_1f1b", "1f1b", groups_of_pp=True)
+    ),
+    "looped_bfs": ScheduleSpec(looped_bfs, _several_stages_per_rank("looped_bfs", "gpipe", groups_of_pp=False)),
+    "zb_h1": ScheduleSpec(zb_h1, _one_stage_per_rank("zb_h1", "interleaved_zb")),
     "zbv": ScheduleSpec(zbv, _zbv_sizes, placement="v"),
-    "interleaved_zb": ScheduleSpec(interleaved_zb, _interleaved_zb_sizes),
+    "interleaved_zb": ScheduleSpec(
+        interleaved_zb, _several_stages_per_rank("interleaved_zb", "zb_h1", groups_of_pp=True)
+    ),
 }
 
 
