@@ -85,9 +85,11 @@ class ParallelConfig:
     pp: int = 2
     # Virtual pipeline size: stages (chunks) per rank. The model is cut into pp * vpp chunks.
     vpp: int = 1
-    # Data-parallel degree. Only 1 is supported for now.
+    # Data-parallel degree: pipeline replicas, each on its shard of the global batch.
+    # Global rank = dp_rank * pp + pp_rank (a replica's ranks are adjacent).
     dp: int = 1
-    # Microbatches per optimizer step (m). The global batch is micro_batch_size * m sequences.
+    # Microbatches per optimizer step (m) per replica. The global batch is
+    # dp * num_microbatches * micro_batch_size sequences.
     num_microbatches: int = 4
     # Stage placement: "auto" takes the schedule's own (loop for most, V for zbv, the file's for
     # csv); "loop" (stage s on rank s % pp) or "v" (zig-zag) only assert it.
@@ -188,6 +190,28 @@ class DebugConfig:
     # At the end of training each rank saves its parameters by global name to
     # <run dir>/params_rank<r>.pt.
     dump_params: bool = False
+    # At this optimizer step (1-based) the loss and every gradient are made NaN after the
+    # backward, as a real overflow would (tests train.skip_nonfinite). null disables.
+    nonfinite_step: int | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints in <run dir>/checkpoints/step=N.ckpt (see pipetrain.checkpoint)."""
+
+    # Save after every this many optimizer steps, and after the last step (0 = no checkpoints).
+    every_n_steps: int = 100
+    # Keep this many of the newest checkpoints; older ones go once a newer save is complete.
+    keep_last: int = 2
+
+
+@dataclass
+class TrainLoopConfig:
+    """What a training step does with a non-finite loss or gradient norm."""
+
+    # false: stop the run with an error naming the step (nothing is updated or saved).
+    # true: skip the step (no weight update; the step still counts), log train/skipped_steps.
+    skip_nonfinite: bool = False
 
 
 @dataclass
@@ -202,6 +226,12 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    # Resume from a checkpoint directory (<run dir>/checkpoints/step=N.ckpt), or "last": the newest
+    # complete one under this run's dir (set hydra.run.dir to the run to continue). It may have
+    # been saved at another pp/vpp/dp.
+    ckpt_path: str | None = None
     seed: int = 1234
     # Steps whose timing is left out of the tokens/s and step-time medians in summary.json.
     timing_warmup_steps: int = 3
@@ -350,7 +380,18 @@ def validate(cfg: Any) -> None:
     from pipetrain.pipeline.partition import partition
     from pipetrain.pipeline.schedules import build_schedule, resolve_placement
 
-    for section in ("model", "parallel", "schedule", "data", "optim", "trainer", "logger", "debug"):
+    for section in (
+        "model",
+        "parallel",
+        "schedule",
+        "data",
+        "optim",
+        "trainer",
+        "logger",
+        "debug",
+        "checkpoint",
+        "train",
+    ):
         reject_unknown_keys(cfg[section], f"{section}.")
     par, model, data, trainer, optim = cfg.parallel, cfg.model, cfg.data, cfg.trainer, cfg.optim
     sizes = [
@@ -373,8 +414,6 @@ def validate(cfg: Any) -> None:
         sizes.append(("model.n_kv_head", model.n_kv_head))
     for key, value in sizes:
         _positive(key, value)
-    if par.dp != 1:
-        raise ValueError(f"parallel.dp={par.dp} is not supported yet; use parallel.dp=1")
     if model.family not in MODEL_FAMILIES:
         raise ValueError(f"model.family={model.family!r} is unknown; use one of {sorted(MODEL_FAMILIES)}")
     MODEL_FAMILIES[model.family].validate_config(model)
@@ -394,6 +433,12 @@ def validate(cfg: Any) -> None:
         raise
     partition(model.n_layer, pp=par.pp, vpp=par.vpp, placement=resolve_placement(table, par.placement))
     _validate_optim(optim)
+    if cfg.checkpoint.every_n_steps < 0:
+        raise ValueError(
+            f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} must be >= 0 (0 disables checkpoints)"
+        )
+    if cfg.checkpoint.keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     if cfg.timeline_every_n_steps < 0:
         raise ValueError(f"timeline_every_n_steps={cfg.timeline_every_n_steps} must be >= 0 (0 disables timelines)")
     if trainer.val_check_interval < 0:

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from pipetrain.checkpoint import set_rng_state
 from pipetrain.models import build_chunk
 
 
@@ -50,6 +51,9 @@ class PipelineLM(L.LightningModule):
             backward, before clipping, to <run dir>/grads_rank<r>.pt.
         dump_params: save this rank's parameters (by global name) at the end of training to
             <run dir>/params_rank<r>.pt.
+        skip_nonfinite: on a non-finite loss or gradient norm, skip the step (True) instead of
+            raising FloatingPointError (False).
+        nonfinite_step: test hook: at this step (1-based) the loss and gradients become NaN.
     """
 
     def __init__(
@@ -62,6 +66,8 @@ class PipelineLM(L.LightningModule):
         precision: str,
         dump_grads_step: int | None = None,
         dump_params: bool = False,
+        skip_nonfinite: bool = False,
+        nonfinite_step: int | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -72,12 +78,16 @@ class PipelineLM(L.LightningModule):
         self.comm_dtype = comm_dtype_for(precision)
         self.dump_grads_step = dump_grads_step
         self.dump_params = dump_params
+        self.skip_nonfinite = skip_nonfinite
+        self.nonfinite_step = nonfinite_step
+        self.skipped_steps = 0
         self.grad_norms: list[float] = []
         self.chunks: nn.ModuleDict | None = None
         self.train_losses: list[float] = []
         self.step_times: list[float] = []
         self.val_losses: list[float] = []
         self._val_batch_losses: list[torch.Tensor] = []
+        self._restored_rng: dict | None = None
 
     # ------------------------------------------------------------------ model
 
@@ -137,7 +147,23 @@ class PipelineLM(L.LightningModule):
         self._norm_params = self.norm_parameters()
         # Dropout masks: reproducible per (seed, rank). With dropout > 0 a pipelined run draws
         # other masks than the unpipelined one, which is why the equivalence tests use dropout 0.
-        torch.manual_seed(self.seed + 7919 * self.trainer.strategy.global_rank)
+        # A run resumed at the layout that saved it continues the saved generator states.
+        if self._restored_rng is not None:
+            set_rng_state(self._restored_rng)
+            self._restored_rng = None
+        else:
+            torch.manual_seed(self.seed + 7919 * self.trainer.strategy.global_rank)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # So that a resumed run logs into the same wandb run (train.py reads it back).
+        for logger in self.loggers:
+            if type(logger).__name__ == "WandbLogger":
+                checkpoint["wandb_run_id"] = logger.version
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._restored_rng = checkpoint.get("rng")
 
     # ------------------------------------------------------------------ optimization
 
@@ -170,10 +196,29 @@ class PipelineLM(L.LightningModule):
             self.chunk_map(), batch, hidden_dim=self.model_cfg.n_embd, comm_dtype=self.comm_dtype, train=True
         )
         strategy.sync_tied_gradients(self._tied)
-        if self.dump_grads_step is not None and self.global_step + 1 == self.dump_grads_step:
+        step = self.global_step + 1
+        if step == self.nonfinite_step:
+            loss = loss * math.nan
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.fill_(math.nan)
+        if self.dump_grads_step is not None and step == self.dump_grads_step:
             self._dump_grads(strategy.global_rank)
         grad_norm = strategy.clip_grad_norm(self._params, self.optim_cfg.grad_clip, norm_params=self._norm_params)
         lr = optimizer.param_groups[0]["lr"]
+        # The loss (broadcast, dp-averaged) and the global norm are the same on every rank, so
+        # every rank takes the same branch: no rank is left waiting in a collective.
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            if not self.skip_nonfinite:
+                raise FloatingPointError(
+                    f"non-finite training loss {loss.item()} / gradient norm {grad_norm.item()} at step {step}; "
+                    f"the weights of step {step - 1} are kept and no checkpoint of step {step} is written. "
+                    "Lower optim.lr or raise the warmup, or set train.skip_nonfinite=true to skip such steps"
+                )
+            # Skip: no weight update, but the step counts (global_step, the data and the LR move on).
+            optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.print(f"pipetrain: step {step}: non-finite loss or gradient norm, step skipped")
         optimizer.step()
         scheduler.step()
         step_time = time.perf_counter() - start
@@ -186,6 +231,7 @@ class PipelineLM(L.LightningModule):
         self.log("train/grad_norm", grad_norm, on_step=True)
         self.log("train/tokens_per_s", tokens / step_time, on_step=True, prog_bar=True)
         self.log("train/step_time_s", step_time, on_step=True)
+        self.log("train/skipped_steps", float(self.skipped_steps), on_step=True)
         return loss
 
     def _dump_grads(self, global_rank: int) -> None:

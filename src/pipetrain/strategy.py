@@ -7,9 +7,18 @@ What it owns (DESIGN.md, contracts 2, 4 and 5):
 - this rank's :class:`StageInfo`, which the LightningModule's ``configure_model`` reads to build
   only its local chunks;
 - the task table (built and checked before training starts) and the executor that walks it;
-- the cross-rank gradient work after each backward: summing the tied embedding/head gradient,
-  and one global gradient norm over all stages for clipping;
-- broadcasting the step loss from the last stage so that rank 0's loggers see it.
+- the cross-rank gradient work of each step: averaging over data-parallel replicas (one
+  all-reduce per local stage, started as that stage's last backward ends, see
+  :mod:`pipetrain.pipeline.data_parallel`), summing the tied embedding/head gradient, and one
+  global gradient norm over all stages for clipping;
+- broadcasting the step loss from the last stage so that rank 0's loggers see it, averaged
+  over replicas.
+
+Rank order: global rank ``g = dp_rank * pp + pp_rank``. The ranks of one pipeline replica are
+adjacent, so with ``pp`` <= processes per node a replica sits on one node: the per-microbatch
+point-to-point traffic stays on the node's fast links and only the once-per-step gradient
+all-reduce crosses nodes. (Megatron-LM and torchtitan, which add tensor parallelism, order pp
+outermost instead.) The groups are printed at start-up.
 
 It subclasses ``ParallelStrategy`` rather than ``DDPStrategy``: DDP would wrap the model and
 broadcast rank 0's weights, both wrong when ranks own different layers.
@@ -19,22 +28,34 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _set_num_threads_if_needed,
+)
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipetrain import checkpoint as ckpt
 from pipetrain.pipeline.check import check
-from pipetrain.pipeline.comms import P2PComms
+from pipetrain.pipeline.comms import P2PComms, PeerError
+from pipetrain.pipeline.data_parallel import GradientAverager
 from pipetrain.pipeline.executor import PipelineExecutor
 from pipetrain.pipeline.partition import StageInfo, partition
 from pipetrain.pipeline.schedules import ScheduleTable, build_schedule, gpipe_on, resolve_placement
@@ -72,17 +93,115 @@ def hydra_job_command(local_rank: int) -> list[str]:
     return command
 
 
+def _die_with_parent() -> None:
+    """In a child before exec: the kernel kills it when the launching rank dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def describe_exit(code: int) -> str:
+    """'exited with code 1' or 'was killed by SIGKILL' for a Popen return code."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RankWatcher(threading.Thread):
+    """Ends the job when a child rank dies, naming it.
+
+    Polls the child processes every ``poll_s`` seconds. When one ends with a non-zero code it
+    prints ``pipetrain: rank R (pid P) was killed by SIGKILL ...`` to stderr, then gives the
+    surviving ranks ``grace_s`` seconds to fail on their own (a peer's death breaks their
+    connections at once, and each reports what it was waiting for). Whatever still runs after
+    that is killed, and this process exits with code 1. A daemon thread: it ends with the job.
+
+    Args:
+        procs: the child processes (ranks 1.. of this node).
+        ranks: their global ranks, in the same order.
+        grace_s: seconds between the report and the forced end.
+        poll_s: seconds between polls.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen], ranks: list[int], *, grace_s: float = 15.0, poll_s: float = 0.5):
+        super().__init__(daemon=True, name="pipetrain-rank-watcher")
+        self.procs, self.ranks = procs, ranks
+        self.grace_s, self.poll_s = grace_s, poll_s
+        self.main_failed = False  # set by the strategy when this process's own rank fails first
+        self._lock = threading.Lock()
+        self._reported = False
+
+    def _failed(self) -> tuple[int, subprocess.Popen] | None:
+        codes = [proc.poll() for proc in self.procs]
+        return next(((r, p) for r, p, code in zip(self.ranks, self.procs, codes, strict=True) if code), None)
+
+    def report(self, wait_s: float = 0.0) -> bool:
+        """Print which child rank failed (once per job), waiting up to ``wait_s`` for one to end.
+
+        Returns whether a failed child was found.
+        """
+        deadline = time.monotonic() + wait_s
+        while (failed := self._failed()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if failed is None:
+            return False
+        rank, proc = failed
+        with self._lock:
+            if not self._reported and not self.main_failed:
+                print(
+                    f"pipetrain: rank {rank} (pid {proc.pid}) {describe_exit(proc.returncode)} during the run; "
+                    "ending the job",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._reported = True
+        return True
+
+    def run(self) -> None:
+        while not self.report():
+            if all(proc.poll() == 0 for proc in self.procs):
+                return
+            time.sleep(self.poll_s)
+        # Give the surviving ranks time to fail on their own and say what they waited for.
+        time.sleep(self.grace_s)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        print("pipetrain: the job ended because a rank failed", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 class HydraJobLauncher(_SubprocessScriptLauncher):
-    """Lightning's subprocess (popen) launcher, made safe for Hydra sweeps.
+    """Lightning's subprocess (popen) launcher, made safe for Hydra sweeps and rank failures.
 
     Children run :func:`hydra_job_command`; :meth:`restore_environment` undoes the launch
     variables (``LOCAL_RANK``, ``MASTER_PORT``, ...) so that the next job of a sweep, in the same
     process, starts its own children on a fresh port instead of waiting for peers that are gone.
+
+    Failures: each child is killed by the kernel if this (rank 0's) process dies
+    (``PR_SET_PDEATHSIG``), and a :class:`RankWatcher` ends the job, naming the rank, when a child
+    dies. Lightning's own observer is not started: it kills every process silently.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._saved_env: dict[str, str | None] = {}
+        self.watcher: RankWatcher | None = None
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            first = self.cluster_environment.node_rank() * self.num_processes + 1
+            self.watcher = RankWatcher(self.procs, list(range(first, first + len(self.procs))))
+            self.watcher.start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
     def _call_children_scripts(self) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -102,7 +221,11 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         for local_rank in range(1, self.num_processes):
             child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
-            self.procs.append(subprocess.Popen(hydra_job_command(local_rank), env=child_env, cwd=get_original_cwd()))
+            self.procs.append(
+                subprocess.Popen(
+                    hydra_job_command(local_rank), env=child_env, cwd=get_original_cwd(), preexec_fn=_die_with_parent
+                )
+            )
 
     def restore_environment(self) -> None:
         for key, value in self._saved_env.items():
@@ -113,13 +236,30 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         self._saved_env = {}
 
 
+def _lost_a_peer(exception: BaseException | None) -> bool:
+    """Whether ``exception`` (or what caused it) is a failed exchange with another rank.
+
+    gloo reports a dead peer as a plain RuntimeError ("Connection reset by peer", "Connection
+    closed by peer"), so the message is read too.
+    """
+    while exception is not None:
+        if isinstance(exception, (PeerError, dist.DistError)):
+            return True
+        if isinstance(exception, RuntimeError) and any(
+            word in str(exception) for word in ("by peer", "Connection", "timed out", "Timeout")
+        ):
+            return True
+        exception = exception.__cause__ or exception.__context__
+    return False
+
+
 class PipelineParallelStrategy(ParallelStrategy):
-    """Pipeline parallelism over ``pp`` processes (``dp`` must be 1 for now).
+    """Pipeline parallelism over ``pp`` processes, times ``dp`` data-parallel replicas.
 
     Args:
         pp: pipeline-parallel degree (processes in the pipeline).
         vpp: stages per rank.
-        dp: data-parallel degree (only 1 is supported for now).
+        dp: data-parallel degree (pipeline replicas, each on its shard of the global batch).
         num_microbatches: microbatches per optimizer step.
         schedule: registered schedule name (``pipetrain.pipeline.schedules.SCHEDULES``) or "csv".
         schedule_path: the CSV file of ``schedule="csv"``.
@@ -160,8 +300,6 @@ class PipelineParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if dp != 1:
-            raise ValueError(f"parallel.dp={dp} is not supported yet; use parallel.dp=1")
         self.pp, self.vpp, self.dp = pp, vpp, dp
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
@@ -184,6 +322,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._tied_group: dist.ProcessGroup | None = None
         self._executors: dict = {}
         self.train_executor: PipelineExecutor | None = None
+        self._loaded: tuple | None = None
 
     # ------------------------------------------------------------------ Lightning plumbing
 
@@ -232,6 +371,13 @@ class PipelineParallelStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.mesh = init_device_mesh(self.root_device.type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        if self.global_rank == 0:
+            grid = self.mesh.mesh.tolist()
+            print(
+                f"pipetrain: device mesh (dp={self.dp}, pp={self.pp}), {self._process_group_backend}: "
+                f"pp groups {grid}, dp groups {[list(col) for col in zip(*grid, strict=True)]}",
+                flush=True,
+            )
         # new_group is collective: every rank creates every replica's tied group, keeps its own.
         for d in range(self.dp):
             ranks = sorted({d * self.pp + self.table.placement[0], d * self.pp + self.table.placement[-1]})
@@ -264,6 +410,17 @@ class PipelineParallelStrategy(ParallelStrategy):
             tensor = tensor / dist.get_world_size(group)
         return tensor
 
+    def on_exception(self, exception: BaseException) -> None:
+        # This rank failed on its own (not because a peer went away): the children that fail
+        # after it are not the cause, and the watcher does not name them.
+        watcher = self._launcher.watcher if isinstance(self._launcher, HydraJobLauncher) else None
+        if watcher is None:
+            return
+        if _lost_a_peer(exception):
+            watcher.report(wait_s=3.0)  # a child's death is what broke the connection: name it
+        else:
+            watcher.main_failed = True
+
     def teardown(self) -> None:
         super().teardown()
         # Leave the process clean for the next job of a sweep: no group, no launch variables.
@@ -279,6 +436,89 @@ class PipelineParallelStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="pipetrain pipeline parallelism")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def layout(self) -> dict[str, Any]:
+        """The parallel layout, as recorded in a checkpoint (its RNG states apply only to the same)."""
+        return {
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "dp": self.dp,
+            "schedule": self.schedule_name,
+            "placement": list(self.table.placement),
+        }
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Parameters are written by save_checkpoint through DCP, by global name; Lightning's
+        # dict would key them by local chunk.
+        return {}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a checkpoint directory (collective: every rank writes what it owns).
+
+        Layout and contents: :mod:`pipetrain.checkpoint`. All is written under a temporary name
+        and renamed into place by global rank 0 once every rank is done.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        final = Path(filepath)
+        partial = ckpt.partial_path(final)
+        if self.is_global_zero:
+            shutil.rmtree(partial, ignore_errors=True)
+        self.barrier()
+        partial.mkdir(parents=True, exist_ok=True)
+        module = self.lightning_module
+        params = module.named_global_parameters()
+        optimizer = self.optimizers[0]
+        dcp.save(ckpt.tensors_to_save(params, optimizer), checkpoint_id=str(partial))
+        torch.save(ckpt.rng_state(), partial / ckpt.rng_file(self.global_rank))
+        if self.is_global_zero:
+            state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            state["pipetrain"] = {
+                "format": ckpt.FORMAT_VERSION,
+                "layout": self.layout(),
+                "param_groups": ckpt.optimizer_hyperparameters(optimizer),
+            }
+            torch.save(state, partial / ckpt.TRAINER_STATE_FILE)
+        self.barrier()
+        if self.is_global_zero:
+            ckpt.replace_dir(partial, final)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint saved at any layout into this rank's chunks (collective).
+
+        The parameters are loaded in place here; the optimizer state waits in buffers for
+        :meth:`load_optimizer_state_dict`. Returns Lightning's part of the checkpoint.
+
+        Raises:
+            pipetrain.checkpoint.CheckpointError: the checkpoint does not fit the model (keys named).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(checkpoint_path)
+        state = ckpt.read_trainer_state(path)
+        module = self.lightning_module
+        ckpt.check_fits(path, module.model_cfg)
+        params = module.named_global_parameters()
+        plan = ckpt.LoadPlan(path, params, ckpt.tied_aliases(module.model_cfg))
+        dcp.load(plan.request, checkpoint_id=str(path))
+        self._loaded = (plan, params, state["pipetrain"]["param_groups"])
+        if state["pipetrain"]["layout"] == self.layout():
+            state["rng"] = torch.load(path / ckpt.rng_file(self.global_rank), weights_only=True)
+        return {**state, "state_dict": {}, "optimizer_states": [{}]}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint, by global name
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        plan, params, groups = self._loaded
+        optimizer = self.optimizers[0]
+        optimizer.load_state_dict(plan.optimizer_state_dict(optimizer, params, groups))
+        self._loaded = None
 
     # ------------------------------------------------------------------ pipeline facts
 
@@ -296,6 +536,9 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     def _pp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.get_group("pp") if self.mesh is not None and self.pp > 1 else None
+
+    def _dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("dp") if self.mesh is not None and self.dp > 1 else None
 
     def _last_stage_global_rank(self) -> int:
         return self.dp_rank * self.pp + self.table.placement[-1]
@@ -323,7 +566,9 @@ class PipelineParallelStrategy(ParallelStrategy):
                 forwards (validation; call under torch.no_grad()).
 
         Returns:
-            0-dim fp32 tensor: mean token loss over the step's batch, identical on all ranks.
+            0-dim fp32 tensor: mean token loss over the step's global batch (all replicas),
+            identical on all ranks. After a training step every local gradient is the replicas'
+            average.
         """
         rows, t_plus_1 = batch_BT1.shape
         m = self.num_microbatches
@@ -333,8 +578,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         targets = batch_BT1[:, 1:].split(rows // m)
         hidden_shape = (rows // m, t_plus_1 - 1, hidden_dim)
         key = (train, hidden_shape, comm_dtype)
-        executor = self._executors.get(key)
-        if executor is None:
+        entry = self._executors.get(key)
+        if entry is None:
             # One executor per table and message shape: it lowers the table once, not every step.
             comms = P2PComms(group=self._pp_group(), rank=self.pp_rank, device=self.root_device, dtype=comm_dtype)
             executor = PipelineExecutor(
@@ -344,14 +589,37 @@ class PipelineParallelStrategy(ParallelStrategy):
                 comms=comms,
                 hidden_shape=hidden_shape,
             )
-            self._executors[key] = executor
+            averager = None
+            if train and self.dp > 1:
+                averager = GradientAverager(
+                    self._dp_group(),
+                    self.dp,
+                    {s: chunk.parameters() for s, chunk in chunks.items()},
+                    executor.grads_ready_order,
+                )
+                executor.on_grads_ready = averager.launch
+            entry = self._executors[key] = (executor, averager)
+        executor, averager = entry
         if train:
             self.train_executor = executor
-        loss = executor.run(inputs, targets=targets, num_tokens=rows * (t_plus_1 - 1), forward_only=not train)
+        try:
+            loss = executor.run(inputs, targets=targets, num_tokens=rows * (t_plus_1 - 1), forward_only=not train)
+        except PeerError as err:
+            lost = self.dp_rank * self.pp + err.peer
+            raise RuntimeError(
+                f"rank {self.global_rank} lost rank {lost} (pp rank {err.peer} of replica {self.dp_rank}): "
+                f"it died or did not answer within parallel.timeout_s={self._timeout.total_seconds():g}. {err}"
+            ) from err
+        if averager is not None:
+            averager.finish()
         if loss is None:
             loss = torch.zeros((), dtype=torch.float32, device=self.root_device)
         if self.pp > 1:
             dist.broadcast(loss, src=self._last_stage_global_rank(), group=self._pp_group())
+        if self.dp > 1:
+            # Every replica's loss is the mean over its equal share of the tokens.
+            dist.all_reduce(loss, group=self._dp_group())
+            loss = loss / self.dp
         return loss
 
     def gather_pipeline(self, obj: Any) -> list[Any] | None:

@@ -45,7 +45,7 @@ def _accelerator(cfg: DictConfig, processes_per_node: int) -> str:
     return "gpu"
 
 
-def _logger(cfg: DictConfig, run_dir: Path):
+def _logger(cfg: DictConfig, run_dir: Path, resume_id: str | None):
     name = cfg.logger.name
     if name == "none":
         return False
@@ -53,16 +53,24 @@ def _logger(cfg: DictConfig, run_dir: Path):
         from lightning.pytorch.loggers import CSVLogger
 
         return CSVLogger(save_dir=str(run_dir), name="csv", version="")
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from lightning.pytorch.loggers import WandbLogger
 
     os.environ.setdefault("WANDB_SILENT", "true")
+    group = cfg.logger.group
+    if group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        group = HydraConfig.get().sweep.dir  # a sweep's jobs side by side on the dashboard
+    # A resumed run continues the wandb run its checkpoint was saved from.
+    resume = {"id": resume_id, "resume": "allow"} if resume_id else {}
     return WandbLogger(
         project=cfg.logger.project,
-        group=cfg.logger.group,
+        group=group,
         name=run_dir.name,
         save_dir=str(run_dir),
         offline=cfg.logger.mode == "offline",
         config=OmegaConf.to_container(cfg, resolve=True),
+        **resume,
     )
 
 
@@ -71,8 +79,15 @@ def _median_after(values: list[float], skip: int) -> float | None:
     return statistics.median(kept) if kept else None
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict | None:
-    """Train a validated ``cfg``; on global rank 0 return (and write) the run summary."""
+def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict | None:
+    """Train a validated ``cfg``; on global rank 0 return (and write) the run summary.
+
+    Args:
+        cfg: the composed, validated config.
+        run_dir: the run's output dir (Hydra's), shared by all its ranks.
+        ckpt_path: a checkpoint to resume from (resolved and checked, see
+            :func:`pipetrain.checkpoint.resolve`), or None to start at step 0.
+    """
     # Every rank holds the same broadcast validation loss, so Lightning's advice to sync it is moot.
     warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
     # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; nothing for users to do.
@@ -81,6 +96,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     import lightning as L
     import torch
 
+    from pipetrain.checkpoint import CHECKPOINT_DIR, PipelineCheckpoint, read_trainer_state
     from pipetrain.data.datamodule import TokenDataModule
     from pipetrain.module import PipelineLM
     from pipetrain.pipeline.render import render_grid, render_table
@@ -114,9 +130,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         precision=cfg.trainer.precision,
         dump_grads_step=cfg.debug.dump_grads_step,
         dump_params=cfg.debug.dump_params,
+        skip_nonfinite=cfg.train.skip_nonfinite,
+        nonfinite_step=cfg.debug.nonfinite_step,
     )
     datamodule = TokenDataModule(
-        cfg.data, num_microbatches=par.num_microbatches, seed=cfg.seed, max_steps=cfg.trainer.max_steps
+        cfg.data, num_microbatches=par.num_microbatches, seed=cfg.seed, max_steps=cfg.trainer.max_steps, dp_size=par.dp
     )
     val_every = cfg.trainer.val_check_interval
     timeline = PipelineTimeline(
@@ -125,6 +143,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         max_steps=cfg.trainer.max_steps,
         warmup_steps=cfg.timing_warmup_steps,
     )
+    callbacks: list = [timeline]
+    if cfg.checkpoint.every_n_steps:
+        callbacks.append(
+            PipelineCheckpoint(
+                run_dir / CHECKPOINT_DIR, every_n_steps=cfg.checkpoint.every_n_steps, keep_last=cfg.checkpoint.keep_last
+            )
+        )
+    wandb_id = read_trainer_state(ckpt_path).get("wandb_run_id") if ckpt_path is not None else None
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=world // nodes,
@@ -132,21 +158,21 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         strategy=strategy,
         precision=cfg.trainer.precision,
         max_steps=cfg.trainer.max_steps,
-        logger=_logger(cfg, run_dir),
+        logger=_logger(cfg, run_dir, wandb_id),
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         val_check_interval=val_every if val_every else None,
         check_val_every_n_epoch=None if val_every else 1,
         limit_val_batches=cfg.data.val_batches if val_every else 0,
         num_sanity_val_steps=0,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
         use_distributed_sampler=False,
         enable_progress_bar=cfg.trainer.enable_progress_bar,
         enable_model_summary=False,
         default_root_dir=str(run_dir),
-        callbacks=[timeline],
+        callbacks=callbacks,
     )
     try:
-        trainer.fit(module, datamodule=datamodule)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path is not None else None)
     finally:
         if cfg.logger.name == "wandb":
             import wandb
@@ -167,6 +193,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         "tokens_per_s": tokens_per_step / step_time if step_time else None,
         "step_time_s": step_time,
         "steps": len(module.train_losses),
+        "first_step": trainer.global_step - len(module.train_losses),
+        "resumed_from": str(ckpt_path) if ckpt_path is not None else None,
+        "skipped_steps": module.skipped_steps,
+        "checkpoints": sorted(str(p) for p in (run_dir / CHECKPOINT_DIR).glob("step=*")),
         "world_size": trainer.world_size,
         "accelerator": accelerator,
         **timeline.summary(),
@@ -181,14 +211,19 @@ def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf.errors import OmegaConfBaseException
 
+    from pipetrain.checkpoint import check_fits, resolve
+
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
+        ckpt_path = resolve(cfg.ckpt_path, run_dir)
+        if ckpt_path is not None:
+            check_fits(ckpt_path, cfg.model)
     except (ValueError, OmegaConfBaseException) as err:
         # Before any process starts: one line naming the key, the value and the fix.
         print(f"pipetrain: config error: {' '.join(str(err).split())}", file=sys.stderr)
         sys.exit(2)
-    summary = train(cfg, run_dir)
+    summary = train(cfg, run_dir, ckpt_path)
     if summary is not None:
         losses = summary["train_loss"]
         print(

@@ -345,8 +345,20 @@ class TokenDataModule(lightning.LightningDataModule):
         return self._max_token_id
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the splits (every process calls this; files are mapped, not read)."""
+        """Load the splits (every process calls this; files are mapped, not read).
+
+        Under a Trainer whose strategy knows this process's replica (``dp_rank`` and ``dp``, as
+        :class:`~pipetrain.strategy.PipelineParallelStrategy` does), take them from it: the
+        replica is known only once the processes exist.
+        """
         del stage  # the same splits serve fit, validate and test
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        if strategy is not None and hasattr(strategy, "dp_rank"):
+            if strategy.dp != self.dp_size:
+                raise ValueError(
+                    f"the data module was built for parallel.dp={self.dp_size} but the strategy runs dp={strategy.dp}"
+                )
+            self.dp_rank = strategy.dp_rank
         _ = self.splits
 
     def train_dataset(self) -> SequenceBatches:

@@ -25,6 +25,7 @@ def build_chunk(
     has_embedding: bool,
     has_head: bool,
     seed: int,
+    materialize: bool = True,
 ) -> TransformerChunk:
     """Build the chunk of ``config.family`` owning the global layers ``range(*layer_range)``.
 
@@ -34,6 +35,7 @@ def build_chunk(
         has_embedding: the chunk is the first stage and owns the embedding.
         has_head: the chunk is the last stage and owns the final norm and LM head.
         seed: the run seed; a parameter's initial value depends only on it and the global name.
+        materialize: False builds on the meta device without initialising (names and shapes only).
 
     Returns:
         The chunk, on CPU in fp32. ``layer_range=(0, n_layer)`` with both flags is the whole model.
@@ -45,7 +47,12 @@ def build_chunk(
     if family not in MODEL_FAMILIES:
         raise ValueError(f"model.family={family!r} is not a known model family; choose one of {sorted(MODEL_FAMILIES)}")
     return MODEL_FAMILIES[family](
-        config, layer_range=layer_range, has_embedding=has_embedding, has_head=has_head, seed=seed
+        config,
+        layer_range=layer_range,
+        has_embedding=has_embedding,
+        has_head=has_head,
+        seed=seed,
+        materialize=materialize,
     )
 
 

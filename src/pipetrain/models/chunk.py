@@ -74,6 +74,7 @@ class TransformerChunk(nn.Module):
         has_embedding: bool,
         has_head: bool,
         seed: int,
+        materialize: bool = True,
     ) -> None:
         """Build the chunk's modules on CPU in fp32 and initialise them from ``seed``.
 
@@ -84,6 +85,8 @@ class TransformerChunk(nn.Module):
             has_embedding: whether this chunk is the first stage (owns the embedding).
             has_head: whether this chunk is the last stage (owns the final norm and LM head).
             seed: the run seed; see :func:`stream_seed`.
+            materialize: False leaves the parameters on the meta device, uninitialised: names
+                and shapes at no cost (what a checkpoint is checked against).
 
         Raises:
             ValueError: if the layer range is outside ``[0, model.n_layer]``, or is empty while the
@@ -114,8 +117,9 @@ class TransformerChunk(nn.Module):
             self.embed = self.make_embedding() if has_embedding else None
             self.layers = nn.ModuleDict({str(layer): self.make_block(layer) for layer in range(begin, end)})
             self.head = self.make_head() if has_head else None
-        self.to_empty(device="cpu")
-        self._init_parameters()
+        if materialize:
+            self.to_empty(device="cpu")
+            self._init_parameters()
         self._tie_weights()
 
     # ---- hooks supplied by a model family -----------------------------------------------------

@@ -37,6 +37,21 @@ ACTIVATION = 0
 GRADIENT = 1
 
 
+class PeerError(RuntimeError):
+    """A message from pp rank ``peer`` never came: the peer died, or hung past the group's timeout."""
+
+    def __init__(self, peer: int, message: str):
+        super().__init__(message)
+        self.peer = peer
+
+
+def _wait(work: dist.Work, *, rank: int, peer: int) -> None:
+    try:
+        work.wait()
+    except RuntimeError as err:
+        raise PeerError(peer, f"pp rank {rank}: waiting for a message from pp rank {peer} failed: {err}") from err
+
+
 def message_tag(direction: int, stage: int, microbatch: int, num_microbatches: int) -> int:
     """Tag of the message that leaves ``stage`` (activation: to stage+1; gradient: to stage-1)."""
     return (stage * num_microbatches + microbatch) * 2 + direction
@@ -132,7 +147,7 @@ class P2PComms:
             self.post_sends()  # about to block: let the peers have what they wait for
             while peer in self._inflight:
                 got, work, buffer = self._inflight.pop(peer)
-                work.wait()
+                _wait(work, rank=self.rank, peer=peer)
                 self._prefetch(peer)
                 if got == tag:
                     return buffer
@@ -152,7 +167,7 @@ class P2PComms:
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
         op = dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer, tag=tag)
         for work in self._post([op]):
-            work.wait()
+            _wait(work, rank=self.rank, peer=peer)
         return buffer
 
     def flush(self) -> None:

@@ -55,6 +55,10 @@ class PipelineExecutor:
         comms: the point-to-point transport.
         hidden_shape: shape of one microbatch's activation between stages, (B, T, C).
         loss_fn: ``(logits_BTV, targets_BT) -> summed loss`` (default: summed cross-entropy).
+        on_grads_ready: called with a stage index right after that stage's last B or W of the
+            step, when its weight gradients are final (training only). The strategy starts the
+            stage's data-parallel all-reduce there, so it overlaps the rest of the cool-down.
+            Stages come in the order of :attr:`grads_ready_order`.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class PipelineExecutor:
         comms: P2PComms,
         hidden_shape: tuple[int, int, int],
         loss_fn: LossFn = summed_cross_entropy,
+        on_grads_ready: Callable[[int], None] | None = None,
     ):
         self.table = table
         self.rank = rank
@@ -75,6 +80,11 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         self.last_stage = table.num_stages - 1
         self.actions = table.compute_actions(rank)
+        self.on_grads_ready = on_grads_ready
+        # Index of each stage's last weight-gradient action (B or W): its gradients are final then.
+        last_grad_action = {a.stage: i for i, a in enumerate(self.actions) if a.kind in (BACKWARD, BACKWARD_WEIGHT)}
+        self._grads_ready_at = {i: s for s, i in last_grad_action.items()}
+        self.grads_ready_order: list[int] = [self._grads_ready_at[i] for i in sorted(self._grads_ready_at)]
         self.params = {s: [p for p in chunk.parameters() if p.requires_grad] for s, chunk in chunks.items()}
         # The LM head's weight gradient is computed in the I (see backward_input).
         self.eager = {
@@ -135,7 +145,7 @@ class PipelineExecutor:
         step_start = clock()
         grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
         with grad_mode:
-            for action in self.actions:
+            for index, action in enumerate(self.actions):
                 kind, s, mb = action.kind, action.stage, action.microbatch
                 if forward_only and kind != FORWARD:
                     continue
@@ -185,6 +195,8 @@ class PipelineExecutor:
                 else:
                     raise ValueError(f"rank {self.rank}: the executor cannot run action {action}")
                 timings.append((action, start, clock()))
+                if self.on_grads_ready is not None and not forward_only and index in self._grads_ready_at:
+                    self.on_grads_ready(self._grads_ready_at[index])
         self.comms.flush()
         self.timings = timings
         self.step_span_ns = (step_start, clock())
