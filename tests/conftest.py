@@ -28,6 +28,8 @@ TINY = [
     "logger=none",
     "optim.warmup_steps=2",
     "optim.lr=1e-2",
+    # Checkpoints only where a test asks for them.
+    "checkpoint.every_n_steps=0",
 ]
 
 

@@ -88,7 +88,8 @@ def is_complete(path: Path) -> bool:
 
 
 def resolve(ckpt_path: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint ``ckpt_path`` names: None, ``"last"`` (newest in ``run_dir``) or a path.
+    """The checkpoint ``ckpt_path`` names: None, ``"last"`` (newest in ``run_dir``), a checkpoint
+    directory, or another run's dir (its newest complete checkpoint).
 
     ``"last"`` with no checkpoint in ``run_dir`` yields None with a warning (a first start of a
     job that requeues itself with ``ckpt_path=last``).
@@ -109,6 +110,11 @@ def resolve(ckpt_path: str | None, run_dir: Path) -> Path | None:
     path = Path(ckpt_path).expanduser().absolute()
     if not path.exists():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such checkpoint")
+    if (path / CHECKPOINT_DIR).is_dir():  # a run dir: its newest complete checkpoint
+        found = find_last(path)
+        if found is None:
+            raise CheckpointError(f"ckpt_path={ckpt_path}: the run dir holds no complete checkpoint")
+        return found
     if not path.is_dir() or not (path / ".metadata").is_file():
         raise CheckpointError(
             f"ckpt_path={ckpt_path} is not a pipetrain checkpoint: expected a directory holding "

@@ -223,7 +223,11 @@ def _hydra_main(cfg: DictConfig) -> None:
         # Before any process starts: one line naming the key, the value and the fix.
         print(f"pipetrain: config error: {' '.join(str(err).split())}", file=sys.stderr)
         sys.exit(2)
-    summary = train(cfg, run_dir, ckpt_path)
+    try:
+        summary = train(cfg, run_dir, ckpt_path)
+    except FloatingPointError as err:
+        print(f"pipetrain: error: {err}", file=sys.stderr)
+        sys.exit(1)
     if summary is not None:
         losses = summary["train_loss"]
         print(
@@ -235,9 +239,19 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def run_name(default: str) -> str:
-    """Run-dir name: ``torchrun-<job id>`` under torchrun when it has one, else ``default``."""
+    """Run-dir name shared by every rank of an externally launched job, else ``default``.
+
+    ``torchrun-<job id>`` under torchrun when it has one (``--standalone``, ``--rdzv-id``);
+    ``slurm-<job id>[-<step id>]`` under SLURM's srun; otherwise ``default`` (the time).
+    """
     job_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"torchrun-{job_id}" if job_id and job_id != "none" else default
+    if job_id and job_id != "none":
+        return f"torchrun-{job_id}"
+    slurm_job = os.environ.get("SLURM_JOB_ID")
+    if slurm_job and "SLURM_NTASKS" in os.environ:
+        step = os.environ.get("SLURM_STEP_ID")
+        return f"slurm-{slurm_job}" + (f"-{step}" if step else "")
+    return default
 
 
 def main() -> None:
