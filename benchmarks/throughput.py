@@ -8,7 +8,7 @@ tokens/s (summary.json, after warm-up), its ratio to pp=1, and per rank the meas
 against the one the cost model predicts from the measured action costs (summary.json's
 bubble_fraction_measured / _simulated, last round), with the largest gap in percentage points.
 Every process uses one CPU thread (trainer.cpu_threads_per_process=1), so pp=2 uses two cores
-where pp=1 uses one.
+where pp=1 uses one, and dp=2 x pp=2 four (on a two-core machine they share the two cores).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ LAYOUTS = {
     "pp=2 vpp=2 looped_bfs": ["parallel.pp=2", "parallel.vpp=2", "schedule=looped_bfs"],
     "pp=2 vpp=2 zbv": ["parallel.pp=2", "parallel.vpp=2", "schedule=zbv"],
     "pp=2 vpp=2 interleaved_zb": ["parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_zb"],
+    # Two replicas of the pp=2 1F1B pipeline: 4 processes, twice the tokens per step.
+    "dp=2 pp=2 1f1b": ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=1", "schedule=1f1b"],
 }
 
 

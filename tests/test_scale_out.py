@@ -220,18 +220,22 @@ def test_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["rank1", "rank0"])
-def test_killed_rank_ends_the_job_naming_it_and_leaves_no_process(tmp_path, victim):
+@pytest.mark.parametrize(
+    ("victim", "signum"),
+    [("rank1", signal.SIGKILL), ("rank0", signal.SIGKILL), ("rank0", signal.SIGTERM)],
+    ids=["rank1-kill", "rank0-kill", "rank0-term"],
+)
+def test_killed_rank_ends_the_job_naming_it_and_leaves_no_process(tmp_path, victim, signum):
     proc = start_training(tmp_path, "parallel.pp=2", "trainer.max_steps=100000", "checkpoint.every_n_steps=5")
     wait_for(tmp_path / "checkpoints" / "step=5.ckpt", proc)
     ranks = processes_of(tmp_path)
     assert len(ranks) == 2 and proc.pid in ranks
     target = proc.pid if victim == "rank0" else next(pid for pid in ranks if pid != proc.pid)
     killed_at = time.monotonic()
-    os.kill(target, signal.SIGKILL)
+    os.kill(target, signum)
     _, stderr = proc.communicate(timeout=90)
     ended_after = time.monotonic() - killed_at
-    print(f"{victim} killed: the job ended after {ended_after:.2f} s with code {proc.returncode}")
+    print(f"{victim} got {signum.name}: the job ended after {ended_after:.2f} s with code {proc.returncode}")
     assert ended_after < 60
     assert proc.returncode != 0
     if victim == "rank1":

@@ -93,13 +93,23 @@ def hydra_job_command(local_rank: int) -> list[str]:
     return command
 
 
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+# Looked up once, in the parent: the child only calls it between fork and exec.
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In a child before exec: the kernel kills it when the launching rank dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def describe_exit(code: int) -> str:
@@ -409,6 +419,16 @@ class PipelineParallelStrategy(ParallelStrategy):
         if reduce_op in ("mean", "avg", dist.ReduceOp.AVG):
             tensor = tensor / dist.get_world_size(group)
         return tensor
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # SIGTERM (preemption, scancel, torchrun stopping its workers) ends this process at once.
+        # Lightning's handler would instead broadcast a flag from inside the signal handler, a
+        # collective that meets the pipeline's own in the wrong order and hangs the ranks. The
+        # last completed checkpoint is intact (saves are atomic); ranks started by this process
+        # die with it.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def on_exception(self, exception: BaseException) -> None:
         # This rank failed on its own (not because a peer went away): the children that fail
