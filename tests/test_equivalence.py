@@ -130,8 +130,18 @@ def test_pipeline_equals_unpipelined(tmp_path, tmp_path_factory, model, schedule
         assert "head.lm_head.weight" not in params[first]
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama3"])
-@pytest.mark.parametrize(("schedule", "vpp"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize(
+    ("model", "schedule", "vpp"),
+    [
+        ("gpt2", "1f1b", 1),
+        ("llama3", "1f1b", 1),
+        ("gpt2", "interleaved_1f1b", 2),
+        ("llama3", "interleaved_1f1b", 2),
+        # Split backward (the dp all-reduce starts after a W) and V placement (rank 0 holds the
+        # embedding and the head as one Parameter).
+        ("gpt2", "zbv", 2),
+    ],
+)
 def test_data_parallel_pipeline_equals_unpipelined(tmp_path, tmp_path_factory, model, schedule, vpp):
     """dp=2 x pp=2 (4 processes) on the same global batch as pp=1 dp=1 (8 sequences a step):
     each replica takes micro_batch_size=1, the reference 2. Clipped at 0.05, so the global norm

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,6 +48,27 @@ def processes_of(run_dir: Path) -> list[int]:
         if str(run_dir) in cmdline and "Z (zombie)" not in state and "pipetrain.train" in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def rank_pid(run_dir: Path, global_rank: int) -> int:
+    """The pid of ``global_rank`` of a run started by Lightning's launcher on one node."""
+    for pid in processes_of(run_dir):
+        env = dict(
+            item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item
+        )
+        if int(env.get("LOCAL_RANK", "0")) == global_rank:
+            return pid
+    raise AssertionError(f"no process of rank {global_rank} under {run_dir}")
+
+
+def read_checkpoint(path: Path, tmp_path: Path) -> dict:
+    """Every tensor of a DCP checkpoint by key (converted with torch's own dcp_to_torch_save)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{path.name}.pt"
+    dcp_to_torch_save(path, out)
+    return torch.load(out)
 
 
 def start_training(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -93,6 +115,43 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(saved_run, tmp_path):
     # Same layout, same arithmetic: identical floats, not merely close.
     assert resumed["train_loss"] == full["train_loss"][4:]
     assert resumed["grad_norm"] == full["grad_norm"][4:]
+
+
+@pytest.mark.slow
+def test_resume_with_dropout_continues_every_ranks_random_stream(tmp_path):
+    """Dropout 0.1: the masks after a resume are the uninterrupted run's only if each rank's
+    generator state is saved and restored, and nothing else draws from it in between."""
+    run = ("model=gpt2", "model.n_layer=4", "model.dropout=0.1", "parallel.pp=2", "trainer.max_steps=4")
+    full = train_run(tmp_path / "full", *run, "checkpoint.every_n_steps=2")
+    resumed = train_run(tmp_path / "resumed", *run, quoted(tmp_path / "full" / "checkpoints" / "step=2.ckpt"))
+    assert resumed["train_loss"] == full["train_loss"][2:]
+    fresh = train_run(tmp_path / "fresh", *run)  # the same steps from step 0: dropout does draw
+    assert fresh["train_loss"] == full["train_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        # ZB-V's rank 0 holds the embedding and the head as one Parameter: saved under the
+        # embedding's name only; interleaved 1F1B's last rank reads its head copy from it.
+        (
+            ("model=gpt2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv"),
+            ("parallel.pp=2", "parallel.vpp=2", "schedule=interleaved_1f1b"),
+        ),
+        (("model=llama3", "parallel.pp=2", "schedule=1f1b"), ("parallel=pp1",)),
+    ],
+    ids=["gpt2-zbv-to-interleaved", "llama3-pp2-to-pp1"],
+)
+def test_checkpoint_of_other_models_and_placements_reshards(tmp_path, saved, loaded):
+    run = ("model.n_layer=8", "parallel.num_microbatches=4", "trainer.max_steps=6")
+    full = train_run(tmp_path / "full", *run, *saved, "checkpoint.every_n_steps=4")
+    model = saved[0]
+    resumed = train_run(
+        tmp_path / "resumed", *run, model, *loaded, quoted(tmp_path / "full" / "checkpoints" / "step=4.ckpt")
+    )
+    for got, want in zip(resumed["train_loss"], full["train_loss"][4:], strict=True):
+        assert abs(got - want) <= TOL * want
 
 
 @pytest.mark.slow
@@ -273,28 +332,75 @@ def test_nonfinite_loss_stops_with_the_step_named_and_no_checkpoint_of_it(tmp_pa
 @pytest.mark.slow
 def test_nonfinite_step_is_skipped_when_asked(tmp_path):
     skip = ("parallel.pp=2", "trainer.max_steps=5", "debug.nonfinite_step=3", "train.skip_nonfinite=true")
-    summary = train_run(tmp_path / "skip", *skip)
+    summary = train_run(tmp_path / "skip", *skip, "checkpoint.every_n_steps=1", "checkpoint.keep_last=5")
     assert summary["steps"] == 5 and summary["skipped_steps"] == 1
     losses = summary["train_loss"]
     assert losses[2] != losses[2]  # the poisoned step's loss is NaN ...
     assert all(loss == loss for i, loss in enumerate(losses) if i != 2)  # ... and only that one
+    # The skipped step changed no weight and no AdamW moment or step count.
+    checkpoints = tmp_path / "skip" / "checkpoints"
+    before, after = (read_checkpoint(checkpoints / f"step={n}.ckpt", tmp_path) for n in (2, 3))
+    tensors = [k for k in before if k.startswith(("model.", "optim."))]
+    assert len(tensors) > 20 and set(tensors) == {k for k in after if k.startswith(("model.", "optim."))}
+    assert all((before[k] == after[k]).all() for k in tensors)
+    changed = read_checkpoint(checkpoints / "step=4.ckpt", tmp_path)
+    assert not (changed["model.embed.wte.weight"] == after["model.embed.wte.weight"]).all()  # step 4 trained
+
+
+@pytest.mark.slow
+def test_hung_rank_fails_the_job_after_the_timeout_naming_it(tmp_path):
+    """A rank that stops answering (SIGSTOP) is named once parallel.timeout_s has passed."""
+    proc = start_training(
+        tmp_path,
+        "parallel.dp=2",  # the pp and dp groups get the timeout too, not only the default group
+        "parallel.pp=2",
+        "parallel.timeout_s=10",
+        "trainer.max_steps=100000",
+        "checkpoint.every_n_steps=5",
+    )
+    wait_for(tmp_path / "checkpoints" / "step=5.ckpt", proc)
+    child = rank_pid(tmp_path, 1)
+    stopped_at = time.monotonic()
+    os.kill(child, signal.SIGSTOP)
+    _, stderr = proc.communicate(timeout=120)
+    ended_after = time.monotonic() - stopped_at
+    assert proc.returncode == 1
+    assert 10 <= ended_after < 60
+    # Rank 0 waits on rank 1 either for a message (named) or in a pp-group collective (its group).
+    assert re.search(
+        r"pipetrain: error: rank 0 (lost rank 1 \(pp rank 1 of replica 0\)|: .* with ranks \[0, 1\])", stderr
+    ), stderr[-3000:]
+    assert "parallel.timeout_s=10" in stderr
+    time.sleep(1.0)
+    assert not processes_of(tmp_path)  # the stopped rank too (killed with rank 0)
 
 
 # ------------------------------------------------------------------------------ launchers, sweeps
 
 
 @pytest.mark.slow
-def test_torchrun_four_processes_dp2_pp2_equal_the_lightning_launcher(tmp_path):
-    args = ("parallel.dp=2", "parallel.pp=2", "trainer.max_steps=4", "model.n_layer=4")
-    by_lightning = train_run(tmp_path / "lightning", *args)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "4"]
-    proc = run_cli("pipetrain.train", [*TINY, *args, f"hydra.run.dir={tmp_path / 'torchrun'}"], launcher=torchrun)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    by_torchrun = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
-    assert by_torchrun["world_size"] == by_lightning["world_size"] == 4
-    assert by_torchrun["train_loss"] == by_lightning["train_loss"]
-    # Rank order: g = dp_rank * pp + pp_rank, printed once at start-up.
-    assert "pp groups [[0, 1], [2, 3]], dp groups [[0, 2], [1, 3]]" in proc.stdout
+def test_a_failed_job_of_a_sweep_leaves_the_others_and_the_sweep_summary(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = [*TINY, "--multirun", "parallel.pp=2", "trainer.max_steps=3", "debug.nonfinite_step=2,null"]
+    proc = run_cli("pipetrain.train", [*args, f"hydra.sweep.dir={sweep}"])
+    assert proc.returncode != 0  # the sweep reports its failed job ...
+    assert "pipetrain: error: non-finite training loss nan / gradient norm nan at step 2" in proc.stderr
+    assert (sweep / "1" / "summary.json").exists()  # ... after running the next one
+    with (sweep / "sweep_summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["debug.nonfinite_step"], r["status"], r["steps"]) for r in rows] == [
+        ("0", "2", "failed", ""),
+        ("1", "null", "ok", "3"),
+    ]
+
+
+DP2_PP2 = ("parallel.dp=2", "parallel.pp=2", "trainer.max_steps=4", "model.n_layer=4")
+
+
+@pytest.fixture(scope="module")
+def lightning_dp2_pp2(tmp_path_factory) -> dict:
+    """dp=2 x pp=2 started by Lightning's launcher: the reference of the external launchers."""
+    return train_run(tmp_path_factory.mktemp("lightning"), *DP2_PP2)
 
 
 def _free_port() -> int:
@@ -304,52 +410,106 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_srun_tasks_run_through_lightnings_slurm_environment(tmp_path):
-    """Two tasks started the way ``srun --ntasks-per-node=2`` starts them (SLURM_* variables, no
-    launcher): Lightning's SLURMEnvironment wires them, and they share the run dir slurm-<job id>."""
-    args = ("parallel.pp=2", "trainer.max_steps=3")
-    by_lightning = train_run(tmp_path / "lightning", *args)
-    base = {
-        **os.environ,
-        "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_JOB_NAME": "pipetrain",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_NODELIST": "127.0.0.1",
-        "SLURM_NODEID": "0",
-        "MASTER_PORT": str(_free_port()),
-        "PYTHONWARNINGS": "ignore",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipetrain.train",
-        *TINY,
-        *args,
-        f"hydra.run.dir={tmp_path}/outputs/${{pipetrain_run_name:x}}",
-    ]
-    tasks = [
+def test_torchrun_four_processes_dp2_pp2_equal_the_lightning_launcher(tmp_path, lightning_dp2_pp2):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "4"]
+    proc = run_cli("pipetrain.train", [*TINY, *DP2_PP2, f"hydra.run.dir={tmp_path}"], launcher=torchrun)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_torchrun = json.loads((tmp_path / "summary.json").read_text())
+    assert by_torchrun["world_size"] == lightning_dp2_pp2["world_size"] == 4
+    # Same processes, same arithmetic: bitwise equal losses.
+    assert by_torchrun["train_loss"] == lightning_dp2_pp2["train_loss"]
+    # Rank order: g = dp_rank * pp + pp_rank, printed once at start-up.
+    assert "pp groups [[0, 1], [2, 3]], dp groups [[0, 2], [1, 3]]" in proc.stdout
+
+
+@pytest.mark.slow
+def test_lightning_launcher_on_two_nodes_equals_one_node(tmp_path, lightning_dp2_pp2):
+    """The same command on two 'nodes' (NODE_RANK 0 and 1, one MASTER_ADDR/PORT), 2 processes each."""
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "pipetrain.train", *TINY, *DP2_PP2, "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}"]
+    nodes = [
         subprocess.Popen(
-            cmd,
-            env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            cmd + ([] if node == 0 else [f"hydra.job.name=train_node{node}"]),
+            env={**base, "NODE_RANK": str(node)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for r in range(2)
+        for node in range(2)
     ]
-    outputs = [task.communicate(timeout=240) for task in tasks]
-    assert [t.returncode for t in tasks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    summary = json.loads((tmp_path / "outputs" / "slurm-4242" / "summary.json").read_text())
-    assert summary["world_size"] == 2
-    assert summary["train_loss"] == by_lightning["train_loss"]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    assert summary["train_loss"] == lightning_dp2_pp2["train_loss"]
+    # Each rank logged under its own name: node 1's ranks are 2 and 3.
+    assert {p.name for p in tmp_path.glob("*.log")} == {
+        "train.log",
+        "train_rank1.log",
+        "train_node1.log",
+        "train_node1_rank3.log",
+    }
 
 
 @pytest.mark.slow
-def test_multirun_over_schedules_and_pp_writes_job_dirs_and_a_sweep_summary(tmp_path):
+def test_torchrun_two_nodes_with_num_nodes_equal_the_lightning_launcher(tmp_path, lightning_dp2_pp2):
+    """Two torchrun agents meeting at one c10d rendezvous, 2 processes each, as on two nodes."""
+    port = _free_port()
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+    ]  # fmt: skip
+    cmd = [*torchrun, "-m", "pipetrain.train", *TINY, *DP2_PP2, "trainer.num_nodes=2"]
+    cmd.append(f"hydra.run.dir={tmp_path}/outputs/${{pipetrain_run_name:x}}")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    agents = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    summary = json.loads((tmp_path / "outputs" / "torchrun-two-nodes" / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["config"]["trainer"]["num_nodes"] == 2
+    assert summary["train_loss"] == lightning_dp2_pp2["train_loss"]
+
+
+@pytest.mark.slow
+def test_srun_tasks_on_two_nodes_run_through_lightnings_slurm_environment(tmp_path, lightning_dp2_pp2):
+    """Four tasks started the way ``srun --nodes 2 --ntasks-per-node 2`` starts them (SLURM_*
+    variables, no launcher): Lightning's SLURMEnvironment wires them, and they share the run dir
+    slurm-<job id>."""
+    base = {
+        **os.environ,
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_NAME": "pipetrain",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [sys.executable, "-m", "pipetrain.train", *TINY, *DP2_PP2, "trainer.num_nodes=2"]
+    cmd.append(f"hydra.run.dir={tmp_path}/outputs/${{pipetrain_run_name:x}}")
+    tasks = []
+    for rank in range(4):
+        node, local = divmod(rank, 2)
+        env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node)}
+        tasks.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [task.communicate(timeout=300) for task in tasks]
+    assert [t.returncode for t in tasks] == [0] * 4, "\n".join(err[-2000:] for _, err in outputs)
+    summary = json.loads((tmp_path / "outputs" / "slurm-4242" / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    assert summary["train_loss"] == lightning_dp2_pp2["train_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("multirun", ["--multirun", "hydra.mode=MULTIRUN"])
+def test_multirun_over_schedules_and_pp_writes_job_dirs_and_a_sweep_summary(tmp_path, multirun):
+    """Started with --multirun, or by config (a sweeper setting hydra.mode: MULTIRUN)."""
     sweep = tmp_path / "sweep"
     args = [
-        "--multirun",
+        multirun,
         *TINY,
         "trainer.max_steps=3",
         "schedule=gpipe,1f1b",

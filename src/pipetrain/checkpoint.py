@@ -161,8 +161,22 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: cannot be read: {err}") from err
     version = state.get("pipetrain", {}).get("format") if isinstance(state, dict) else None
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: checkpoint format {version!r}, this pipetrain reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{file}: checkpoint format {version!r}, but this pipetrain reads format {FORMAT_VERSION}; "
+            "load it with the pipetrain version that wrote it"
+        )
     return state
+
+
+def check_checkpoint(path: Path, model_cfg: Any) -> None:
+    """Everything that can be checked before any process starts: the trainer state reads, and
+    the parameters fit the model (:func:`check_fits`).
+
+    Raises:
+        CheckpointError: naming the file and the problem.
+    """
+    read_trainer_state(path)
+    check_fits(path, model_cfg)
 
 
 def full_model_shapes(model_cfg: Any) -> dict[str, tuple[int, ...]]:
@@ -260,7 +274,7 @@ class LoadPlan:
         optim_state: per global name, the optimizer fields that will be filled.
     """
 
-    def __init__(self, path: Path, params: Mapping[str, nn.Parameter], aliases: Mapping[str, str]):
+    def __init__(self, path: Path, *, params: Mapping[str, nn.Parameter], aliases: Mapping[str, str]):
         saved = read_tensor_shapes(path)
         self.request: dict[str, torch.Tensor] = {}
         self.optim_state: dict[str, dict[str, torch.Tensor]] = {}
@@ -286,7 +300,7 @@ class LoadPlan:
                 self.optim_state.setdefault(name, {})[field] = buffer
 
     def optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], hyperparameters: list[dict]
+        self, optimizer: torch.optim.Optimizer, *, params: Mapping[str, nn.Parameter], hyperparameters: list[dict]
     ) -> dict[str, Any]:
         """A ``state_dict`` for ``optimizer`` built from the loaded buffers (after the DCP load).
 
@@ -327,8 +341,28 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def save_synced(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` and fsync it, so that a completed save survives a node crash."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_dir(partial: Path, final: Path) -> None:
-    """Move a finished save into place; an older save of the same name is removed only after."""
+    """Move a finished save into place; an older save of the same name is removed only after.
+
+    The rename is made durable (the parent directory is fsynced).
+    """
+    _sync_dir(partial)
     if final.exists():
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -337,6 +371,7 @@ def replace_dir(partial: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(partial, final)
+    _sync_dir(final.parent)
 
 
 # ---------------------------------------------------------------------------------- callback

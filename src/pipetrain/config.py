@@ -322,10 +322,13 @@ def reject_unknown_keys(node: Any, prefix: str = "") -> None:
         reject_unknown_keys(node._get_node(key), f"{prefix}{key}.")
 
 
-def _launched_externally() -> bool:
+def _nodes_are_wired() -> bool:
+    """Whether a multi-node launch is set up: torchrun, srun, or Lightning's launcher run on every
+    node with NODE_RANK and MASTER_ADDR (node 0's address) in the environment."""
     import os
 
-    return "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_NTASKS" in os.environ
+    env = os.environ
+    return "TORCHELASTIC_RUN_ID" in env or "SLURM_NTASKS" in env or ("NODE_RANK" in env and "MASTER_ADDR" in env)
 
 
 def _validate_optim(optim: Any) -> None:
@@ -457,10 +460,10 @@ def validate(cfg: Any) -> None:
             f"trainer.num_nodes={trainer.num_nodes} does not divide the {par.dp * par.pp} processes "
             "(parallel.dp * parallel.pp); use a divisor"
         )
-    if trainer.num_nodes > 1 and not _launched_externally():
+    if trainer.num_nodes > 1 and not _nodes_are_wired():
         raise ValueError(
-            f"trainer.num_nodes={trainer.num_nodes} needs processes started on every node by torchrun or "
-            "SLURM (srun); a plain command starts one node's processes only"
+            f"trainer.num_nodes={trainer.num_nodes} needs a process on every node: torchrun or SLURM's srun, or "
+            "this command run on each node with NODE_RANK, MASTER_ADDR and MASTER_PORT set"
         )
     if cfg.logger.name not in LOGGERS:
         raise ValueError(f"logger.name={cfg.logger.name!r} is unknown; use one of {LOGGERS}")

@@ -158,12 +158,16 @@ class PipelineLM(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # So that a resumed run logs into the same wandb run (train.py reads it back).
+        from lightning.pytorch.loggers import WandbLogger
+
         for logger in self.loggers:
-            if type(logger).__name__ == "WandbLogger":
+            if isinstance(logger, WandbLogger):
                 checkpoint["wandb_run_id"] = logger.version
+        checkpoint["skipped_steps"] = self.skipped_steps
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._restored_rng = checkpoint.get("rng")
+        self.skipped_steps = checkpoint.get("skipped_steps", 0)
 
     # ------------------------------------------------------------------ optimization
 

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,10 +62,13 @@ from pipetrain.pipeline.partition import StageInfo, partition
 from pipetrain.pipeline.schedules import ScheduleTable, build_schedule, gpipe_on, resolve_placement
 
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+# Set in the ranks this process starts: their parent's pid, to notice a parent gone before the
+# death signal was armed.
+_LAUNCHER_PID = "PIPETRAIN_LAUNCHER_PID"
 
 
-def hydra_job_command(local_rank: int) -> list[str]:
-    """The command that starts rank ``local_rank`` of the current Hydra job, and only that job.
+def hydra_job_command(global_rank: int) -> list[str]:
+    """The command that starts rank ``global_rank`` of the current Hydra job, and only that job.
 
     Lightning's own Hydra support re-runs ``sys.argv``: under ``--multirun`` every child would
     run the whole sweep. Here a child gets this job's overrides, its output dir (quoted) and
@@ -86,7 +90,7 @@ def hydra_job_command(local_rank: int) -> list[str]:
     command += list(hc.overrides.task)
     command += [
         f'hydra.run.dir="{hc.runtime.output_dir}"',
-        f"hydra.job.name={hc.job.name}_rank{local_rank}",
+        f"hydra.job.name={hc.job.name}_rank{global_rank}",
         "hydra.output_subdir=null",
         "hydra.mode=RUN",
     ]
@@ -126,29 +130,50 @@ class RankWatcher(threading.Thread):
     """Ends the job when a child rank dies, naming it.
 
     Polls the child processes every ``poll_s`` seconds. When one ends with a non-zero code it
-    prints ``pipetrain: rank R (pid P) was killed by SIGKILL ...`` to stderr, then gives the
-    surviving ranks ``grace_s`` seconds to fail on their own (a peer's death breaks their
-    connections at once, and each reports what it was waiting for). Whatever still runs after
-    that is killed, and this process exits with code 1. A daemon thread: it ends with the job.
+    prints ``pipetrain: rank R (pid P) was killed by SIGKILL ...`` to stderr (the first child seen
+    failing; within one poll a death by signal before an exit code, which is usually a peer
+    reacting to it), then gives the surviving ranks ``grace_s`` seconds to fail on their own (a
+    peer's death breaks their connections at once, and each reports what it was waiting for).
+    Whatever still runs after that is killed; with ``exit_process`` this process then exits with
+    code 1, else (a sweep, whose next job must run) its own rank fails by the group timeout.
+    A daemon thread: it ends with the job.
 
     Args:
-        procs: the child processes (ranks 1.. of this node).
+        procs: the child processes (this node's ranks but the first).
         ranks: their global ranks, in the same order.
+        exit_process: end this process after the grace period.
         grace_s: seconds between the report and the forced end.
         poll_s: seconds between polls.
     """
 
-    def __init__(self, procs: list[subprocess.Popen], ranks: list[int], *, grace_s: float = 15.0, poll_s: float = 0.5):
+    def __init__(
+        self,
+        procs: list[subprocess.Popen],
+        ranks: list[int],
+        *,
+        exit_process: bool = True,
+        grace_s: float = 15.0,
+        poll_s: float = 0.5,
+    ):
         super().__init__(daemon=True, name="pipetrain-rank-watcher")
         self.procs, self.ranks = procs, ranks
+        self.exit_process = exit_process
         self.grace_s, self.poll_s = grace_s, poll_s
         self.main_failed = False  # set by the strategy when this process's own rank fails first
         self._lock = threading.Lock()
         self._reported = False
+        self._first: tuple[int, subprocess.Popen] | None = None
+        self._done = threading.Event()
 
     def _failed(self) -> tuple[int, subprocess.Popen] | None:
-        codes = [proc.poll() for proc in self.procs]
-        return next(((r, p) for r, p, code in zip(self.ranks, self.procs, codes, strict=True) if code), None)
+        with self._lock:
+            if self._first is None:
+                codes = [proc.poll() for proc in self.procs]
+                failed = [(code >= 0, r, p) for r, p, code in zip(self.ranks, self.procs, codes, strict=True) if code]
+                if failed:
+                    _, rank, proc = min(failed, key=lambda f: (f[0], f[1]))
+                    self._first = (rank, proc)
+            return self._first
 
     def report(self, wait_s: float = 0.0) -> bool:
         """Print which child rank failed (once per job), waiting up to ``wait_s`` for one to end.
@@ -172,9 +197,25 @@ class RankWatcher(threading.Thread):
             self._reported = True
         return True
 
+    def wait_children(self, timeout_s: float) -> list[tuple[int, subprocess.Popen]]:
+        """After a successful run: wait for every child; return those that ended non-zero or hung
+        (a hung one is killed)."""
+        self._done.set()
+        deadline = time.monotonic() + timeout_s
+        bad = []
+        for rank, proc in zip(self.ranks, self.procs, strict=True):
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.returncode:
+                bad.append((rank, proc))
+        return bad
+
     def run(self) -> None:
         while not self.report():
-            if all(proc.poll() == 0 for proc in self.procs):
+            if self._done.is_set() or all(proc.poll() == 0 for proc in self.procs):
                 return
             time.sleep(self.poll_s)
         # Give the surviving ranks time to fail on their own and say what they waited for.
@@ -182,8 +223,9 @@ class RankWatcher(threading.Thread):
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-        print("pipetrain: the job ended because a rank failed", file=sys.stderr, flush=True)
-        os._exit(1)
+        if self.exit_process and not self._done.is_set():
+            print("pipetrain: the job ended because a rank failed", file=sys.stderr, flush=True)
+            os._exit(1)
 
 
 class HydraJobLauncher(_SubprocessScriptLauncher):
@@ -204,11 +246,17 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         self.watcher: RankWatcher | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes + 1
-            self.watcher = RankWatcher(self.procs, list(range(first, first + len(self.procs))))
+            in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+            self.watcher = RankWatcher(
+                self.procs, list(range(first, first + len(self.procs))), exit_process=not in_sweep
+            )
             self.watcher.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
@@ -230,10 +278,11 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         for local_rank in range(1, self.num_processes):
-            child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), _LAUNCHER_PID: str(os.getpid())}
+            global_rank = env.node_rank() * self.num_processes + local_rank
             self.procs.append(
                 subprocess.Popen(
-                    hydra_job_command(local_rank), env=child_env, cwd=get_original_cwd(), preexec_fn=_die_with_parent
+                    hydra_job_command(global_rank), env=child_env, cwd=get_original_cwd(), preexec_fn=_die_with_parent
                 )
             )
 
@@ -244,6 +293,10 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
             else:
                 os.environ[key] = value
         self._saved_env = {}
+
+
+class RankFailure(RuntimeError):
+    """Another rank of the job died or stopped answering; the message names it."""
 
 
 def _lost_a_peer(exception: BaseException | None) -> bool:
@@ -333,6 +386,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._executors: dict = {}
         self.train_executor: PipelineExecutor | None = None
         self._loaded: tuple | None = None
+        self._failed = False
 
     # ------------------------------------------------------------------ Lightning plumbing
 
@@ -364,6 +418,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
+        launcher_pid = os.environ.get(_LAUNCHER_PID)
+        if launcher_pid and os.getppid() != int(launcher_pid):
+            raise RankFailure(f"the process that started this rank (pid {launcher_pid}, rank 0) is gone")
         super().setup_environment()
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -380,7 +437,16 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self.mesh = init_device_mesh(self.root_device.type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        # Every group gets parallel.timeout_s: device-mesh subgroups and new_group would otherwise
+        # take torch's defaults (30 min on gloo, 10 on NCCL) whatever the default group has.
+        options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+        options._timeout = self._timeout
+        self.mesh = init_device_mesh(
+            self.root_device.type,
+            (self.dp, self.pp),
+            mesh_dim_names=("dp", "pp"),
+            backend_override={"dp": (backend, options), "pp": (backend, options)},
+        )
         if self.global_rank == 0:
             grid = self.mesh.mesh.tolist()
             print(
@@ -391,7 +457,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         # new_group is collective: every rank creates every replica's tied group, keeps its own.
         for d in range(self.dp):
             ranks = sorted({d * self.pp + self.table.placement[0], d * self.pp + self.table.placement[-1]})
-            group = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+            group = dist.new_group(ranks=ranks, timeout=self._timeout) if len(ranks) > 1 else None
             if self.global_rank in ranks:
                 self._tied_group = group
 
@@ -433,6 +499,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # This rank failed on its own (not because a peer went away): the children that fail
         # after it are not the cause, and the watcher does not name them.
+        self._failed = True
         watcher = self._launcher.watcher if isinstance(self._launcher, HydraJobLauncher) else None
         if watcher is None:
             return
@@ -452,6 +519,16 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._tied_group = None
         self._executors.clear()
         self.train_executor = None
+        watcher = self._launcher.watcher if isinstance(self._launcher, HydraJobLauncher) else None
+        if watcher is not None and not self._failed:
+            # A successful run ends when every rank has: a child still writing (its parameter
+            # dump, its logs) finishes, and one that failed after the fit is reported.
+            bad = watcher.wait_children(self._timeout.total_seconds())
+            if bad:
+                raise RankFailure(
+                    "; ".join(f"rank {rank} (pid {proc.pid}) {describe_exit(proc.returncode)}" for rank, proc in bad)
+                    + " at the end of the run"
+                )
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -495,7 +572,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         params = module.named_global_parameters()
         optimizer = self.optimizers[0]
         dcp.save(ckpt.tensors_to_save(params, optimizer), checkpoint_id=str(partial))
-        torch.save(ckpt.rng_state(), partial / ckpt.rng_file(self.global_rank))
+        ckpt.save_synced(ckpt.rng_state(), partial / ckpt.rng_file(self.global_rank))
         if self.is_global_zero:
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             state["pipetrain"] = {
@@ -503,7 +580,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 "layout": self.layout(),
                 "param_groups": ckpt.optimizer_hyperparameters(optimizer),
             }
-            torch.save(state, partial / ckpt.TRAINER_STATE_FILE)
+            ckpt.save_synced(state, partial / ckpt.TRAINER_STATE_FILE)
         self.barrier()
         if self.is_global_zero:
             ckpt.replace_dir(partial, final)
@@ -524,7 +601,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         module = self.lightning_module
         ckpt.check_fits(path, module.model_cfg)
         params = module.named_global_parameters()
-        plan = ckpt.LoadPlan(path, params, ckpt.tied_aliases(module.model_cfg))
+        plan = ckpt.LoadPlan(path, params=params, aliases=ckpt.tied_aliases(module.model_cfg))
         dcp.load(plan.request, checkpoint_id=str(path))
         self._loaded = (plan, params, state["pipetrain"]["param_groups"])
         if state["pipetrain"]["layout"] == self.layout():
@@ -537,7 +614,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         plan, params, groups = self._loaded
         optimizer = self.optimizers[0]
-        optimizer.load_state_dict(plan.optimizer_state_dict(optimizer, params, groups))
+        optimizer.load_state_dict(plan.optimizer_state_dict(optimizer, params=params, hyperparameters=groups))
         self._loaded = None
 
     # ------------------------------------------------------------------ pipeline facts
@@ -564,6 +641,20 @@ class PipelineParallelStrategy(ParallelStrategy):
         return self.dp_rank * self.pp + self.table.placement[-1]
 
     # ------------------------------------------------------------------ running a step
+
+    @contextmanager
+    def _naming_failures(self, what: str, group: dist.ProcessGroup | None):
+        """Turn a collective that failed because a peer is gone into a RankFailure naming its group."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, RankFailure) or not _lost_a_peer(err):
+                raise
+            ranks = dist.get_process_group_ranks(group) if group is not None else []
+            raise RankFailure(
+                f"rank {self.global_rank}: {what} with ranks {ranks} failed: one of them died or did not answer "
+                f"within parallel.timeout_s={self._timeout.total_seconds():g}. {err}"
+            ) from err
 
     def run_schedule(
         self,
@@ -612,10 +703,10 @@ class PipelineParallelStrategy(ParallelStrategy):
             averager = None
             if train and self.dp > 1:
                 averager = GradientAverager(
-                    self._dp_group(),
-                    self.dp,
-                    {s: chunk.parameters() for s, chunk in chunks.items()},
-                    executor.grads_ready_order,
+                    group=self._dp_group(),
+                    dp=self.dp,
+                    stage_params={s: chunk.parameters() for s, chunk in chunks.items()},
+                    ready_order=executor.grads_ready_order,
                 )
                 executor.on_grads_ready = averager.launch
             entry = self._executors[key] = (executor, averager)
@@ -626,19 +717,22 @@ class PipelineParallelStrategy(ParallelStrategy):
             loss = executor.run(inputs, targets=targets, num_tokens=rows * (t_plus_1 - 1), forward_only=not train)
         except PeerError as err:
             lost = self.dp_rank * self.pp + err.peer
-            raise RuntimeError(
+            raise RankFailure(
                 f"rank {self.global_rank} lost rank {lost} (pp rank {err.peer} of replica {self.dp_rank}): "
                 f"it died or did not answer within parallel.timeout_s={self._timeout.total_seconds():g}. {err}"
             ) from err
         if averager is not None:
-            averager.finish()
+            with self._naming_failures("the gradient all-reduce", self._dp_group()):
+                averager.finish()
         if loss is None:
             loss = torch.zeros((), dtype=torch.float32, device=self.root_device)
         if self.pp > 1:
-            dist.broadcast(loss, src=self._last_stage_global_rank(), group=self._pp_group())
+            with self._naming_failures("the loss broadcast", self._pp_group()):
+                dist.broadcast(loss, src=self._last_stage_global_rank(), group=self._pp_group())
         if self.dp > 1:
             # Every replica's loss is the mean over its equal share of the tokens.
-            dist.all_reduce(loss, group=self._dp_group())
+            with self._naming_failures("the loss all-reduce", self._dp_group()):
+                dist.all_reduce(loss, group=self._dp_group())
             loss = loss / self.dp
         return loss
 
@@ -668,7 +762,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             p = emb if emb is not None else head
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self._tied_group)
+            with self._naming_failures("the tied-weight gradient all-reduce", self._tied_group):
+                dist.all_reduce(p.grad, group=self._tied_group)
 
     def clip_grad_norm(
         self, params: list[nn.Parameter], max_norm: float | None, *, norm_params: list[nn.Parameter]
@@ -693,7 +788,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             else torch.zeros((), device=self.root_device)
         )
         if self.pp > 1:
-            dist.all_reduce(local_sq, group=self._pp_group())
+            with self._naming_failures("the gradient-norm all-reduce", self._pp_group()):
+                dist.all_reduce(local_sq, group=self._pp_group())
         total = local_sq.sqrt()
         if max_norm is not None and math.isfinite(max_norm):
             torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)

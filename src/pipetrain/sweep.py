@@ -1,7 +1,7 @@
 """``sweep_summary.csv``: one row per job of a Hydra ``--multirun`` sweep, written at the sweep root.
 
-Registered in conf/train.yaml as a Hydra callback (``hydra.callbacks.sweep_summary``). When the
-sweep ends it reads every job dir's ``summary.json`` and ``.hydra/overrides.yaml`` and writes a
+Registered in conf/train.yaml as a Hydra callback (``hydra.callbacks.sweep_summary``). After
+each job it reads every job dir's ``summary.json`` and ``.hydra/overrides.yaml`` and writes a
 table: the job number, one column per overridden key (``schedule``, ``parallel.pp``, ...), then
 the measured results. A job without a summary (it failed) gets a row with ``status=failed``.
 """
@@ -77,10 +77,23 @@ def write_sweep_summary(sweep_dir: Path) -> Path:
 
 
 class SweepSummary(Callback):
-    """Hydra callback: at the end of a multirun, write :data:`SUMMARY_CSV` at the sweep root."""
+    """Hydra callback writing :data:`SUMMARY_CSV` at the sweep root after every job of a multirun.
+
+    Rewritten after each job (not only at the end), so the table exists, with the failed jobs
+    marked, even when a failed job makes Hydra end the sweep with an error.
+    """
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        mode = config.hydra.mode
+        if getattr(mode, "name", mode) == "MULTIRUN":  # not in a sweep's child ranks (RUN)
+            self._write(Path(config.hydra.sweep.dir), announce=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
+        self._write(Path(config.hydra.sweep.dir), announce=True)
+
+    @staticmethod
+    def _write(sweep_dir: Path, *, announce: bool) -> None:
         if sweep_dir.is_dir():
             out = write_sweep_summary(sweep_dir)
-            print(f"pipetrain: sweep summary: {out}")
+            if announce:
+                print(f"pipetrain: sweep summary: {out}")

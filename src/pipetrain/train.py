@@ -95,6 +95,7 @@ def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict
 
     import lightning as L
     import torch
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     from pipetrain.checkpoint import CHECKPOINT_DIR, PipelineCheckpoint, read_trainer_state
     from pipetrain.data.datamodule import TokenDataModule
@@ -150,8 +151,17 @@ def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict
                 run_dir / CHECKPOINT_DIR, every_n_steps=cfg.checkpoint.every_n_steps, keep_last=cfg.checkpoint.keep_last
             )
         )
-    wandb_id = read_trainer_state(ckpt_path).get("wandb_run_id") if ckpt_path is not None else None
+    # Continue the wandb run only when continuing this run dir; a new run started from another
+    # run's checkpoint is a new wandb run (its config records resumed_from ... via ckpt_path).
+    own = ckpt_path is not None and ckpt_path.resolve().parent == (run_dir / CHECKPOINT_DIR).resolve()
+    wandb_id = read_trainer_state(ckpt_path).get("wandb_run_id") if own else None
+    plugins = []
+    if SLURMEnvironment.detect():
+        # Requeueing is ckpt_path=last's job. Lightning's auto-requeue saves a checkpoint from
+        # inside a signal handler, a collective that would meet the pipeline's own out of order.
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     trainer = L.Trainer(
+        plugins=plugins,
         accelerator=accelerator,
         devices=world // nodes,
         num_nodes=nodes,
@@ -206,28 +216,45 @@ def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict
     return summary
 
 
+class JobFailed(RuntimeError):
+    """One job of a --multirun sweep failed (its message is printed); the sweep goes on."""
+
+
+def _fail(message: str, code: int) -> None:
+    """Print ``message`` as one line; end this run with ``code``, or fail only this job of a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    print(message, file=sys.stderr)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        # sys.exit would end the whole sweep: Hydra records an exception as this job's failure.
+        raise JobFailed(message)
+    sys.exit(code)
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipetrain.checkpoint import check_fits, resolve
+    from pipetrain.checkpoint import check_checkpoint, resolve
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
         ckpt_path = resolve(cfg.ckpt_path, run_dir)
         if ckpt_path is not None:
-            check_fits(ckpt_path, cfg.model)
+            check_checkpoint(ckpt_path, cfg.model)
     except (ValueError, OmegaConfBaseException) as err:
         # Before any process starts: one line naming the key, the value and the fix.
-        print(f"pipetrain: config error: {' '.join(str(err).split())}", file=sys.stderr)
-        sys.exit(2)
+        _fail(f"pipetrain: config error: {' '.join(str(err).split())}", 2)
+    from pipetrain.strategy import RankFailure
+
     try:
         summary = train(cfg, run_dir, ckpt_path)
-    except FloatingPointError as err:
-        print(f"pipetrain: error: {err}", file=sys.stderr)
-        sys.exit(1)
+    except (FloatingPointError, RankFailure) as err:
+        # A run that cannot go on (a NaN loss, a lost rank): one line, exit code 1.
+        _fail(f"pipetrain: error: {err}", 1)
     if summary is not None:
         losses = summary["train_loss"]
         print(

@@ -404,8 +404,14 @@ class TokenDataModule(lightning.LightningDataModule):
         """
         first_step = self.trainer.global_step if self.trainer is not None else 0
         sampler = _StepSampler(self.max_steps, first_step)
-        return _StepLoader(self.train_dataset(), batch_size=None, sampler=sampler, num_workers=0)
+        # A generator of its own: creating an iterator draws a base seed from the generator it
+        # is given, and drawing from the global one would shift a resumed run's dropout masks.
+        return _StepLoader(
+            self.train_dataset(), batch_size=None, sampler=sampler, num_workers=0, generator=torch.Generator()
+        )
 
     def val_dataloader(self) -> DataLoader:
         """The same ``data.val_batches`` batches at every evaluation and on every pp rank."""
-        return DataLoader(self.val_dataset(), batch_size=None, shuffle=False, num_workers=0)
+        return DataLoader(
+            self.val_dataset(), batch_size=None, shuffle=False, num_workers=0, generator=torch.Generator()
+        )

@@ -36,13 +36,15 @@ class GradientAverager:
         ready_order: the stages in the order the executor reports them ready
             (``PipelineExecutor.grads_ready_order``).
 
-    Gradients are summed in their own dtype (bf16 gradients stay bf16 on the wire) and divided
-    by ``dp`` after the reduction; a parameter without a gradient gets zeros, so every replica
-    reduces buckets of the same size.
+    Gradients are summed in their own dtype (under ``bf16-true`` the sum over replicas is a bf16
+    sum) and divided by ``dp`` after the reduction; a parameter without a gradient gets zeros,
+    so every replica reduces buckets of the same size. Each launched bucket is a flat copy of the
+    stage's gradients (one extra copy of them while the all-reduce runs).
     """
 
     def __init__(
         self,
+        *,
         group: dist.ProcessGroup,
         dp: int,
         stage_params: dict[int, Iterable[nn.Parameter]],
