@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -239,10 +240,14 @@ def test_ckpt_path_that_is_not_a_checkpoint_names_the_path(small_checkpoint, tmp
     for path, expected in cases.items():
         proc = run_cli("pipetrain.train", [*TINY, "parallel=pp1", quoted(path), f"hydra.run.dir={tmp_path / 'run'}"])
         assert proc.returncode == 2 and str(path) in proc.stderr and expected in proc.stderr, proc.stderr[-2000:]
+    # A checkpoint dir with a broken file: each is named.
     broken = tmp_path / "step=9.ckpt"
     broken.mkdir()
     (broken / ".metadata").write_bytes(b"not a pickle")
     (broken / "trainer_state.pt").write_bytes(b"")
+    proc = run_cli("pipetrain.train", [*TINY, "parallel=pp1", quoted(broken), f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2 and f"{broken}/trainer_state.pt: cannot be read" in proc.stderr, proc.stderr[-2000:]
+    shutil.copy(small_checkpoint / "trainer_state.pt", broken / "trainer_state.pt")
     proc = run_cli("pipetrain.train", [*TINY, "parallel=pp1", quoted(broken), f"hydra.run.dir={tmp_path / 'run'}"])
     assert proc.returncode == 2 and f"{broken}/.metadata: cannot be read" in proc.stderr, proc.stderr[-2000:]
 
@@ -381,7 +386,7 @@ def test_hung_rank_fails_the_job_after_the_timeout_naming_it(tmp_path):
 @pytest.mark.slow
 def test_a_failed_job_of_a_sweep_leaves_the_others_and_the_sweep_summary(tmp_path):
     sweep = tmp_path / "sweep"
-    args = [*TINY, "--multirun", "parallel.pp=2", "trainer.max_steps=3", "debug.nonfinite_step=2,null"]
+    args = ["--multirun", *TINY, "parallel.pp=2", "trainer.max_steps=3", "debug.nonfinite_step=2,null"]
     proc = run_cli("pipetrain.train", [*args, f"hydra.sweep.dir={sweep}"])
     assert proc.returncode != 0  # the sweep reports its failed job ...
     assert "pipetrain: error: non-finite training loss nan / gradient norm nan at step 2" in proc.stderr
