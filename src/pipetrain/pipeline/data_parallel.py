@@ -5,9 +5,10 @@ replica r's rank at pp rank p finishes its stages' backwards in the same order a
 replica's rank at p. :class:`GradientAverager` keeps one flat bucket per local stage and starts
 that bucket's all-reduce over the dp group as soon as the stage's last backward of the step is
 done (the executor's ``on_grads_ready``), while the schedule goes on with the other stages'
-cool-down; :meth:`GradientAverager.finish` waits and divides by dp. This is the bucketing idea of
-PyTorch DDP (Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3) at stage granularity:
-a stage's gradients are final only after its last microbatch, never per microbatch.
+cool-down; :meth:`GradientAverager.finish` waits and divides by dp. This is PyTorch DDP's
+gradient bucketing, whose all-reduces overlap the backward (Li et al., "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", VLDB 2020, section 3.2), at stage
+granularity: a stage's gradients are final only after its last microbatch, never per microbatch.
 
 Each replica scales its microbatch losses by its own token count (DESIGN.md, contract 4), which is
 the same on every replica, so the mean of the replicas' gradients is the gradient of the mean
