@@ -217,11 +217,12 @@ def check_fits(path: Path, model_cfg: Any) -> None:
     }
     wanted = full_model_shapes(model_cfg)
     alias = tied_aliases(model_cfg)
-    missing = sorted(n for n in wanted if n not in saved and alias.get(n) not in saved)
-    unexpected = sorted(n for n in saved if n not in wanted)
+    missing = sorted(model_key(n) for n in wanted if n not in saved and alias.get(n) not in saved)
+    unexpected = sorted(model_key(n) for n in saved if n not in wanted)
     misshapen = sorted(
-        f"{n} {saved[n]} vs model {wanted[n]}" for n in wanted if n in saved and tuple(saved[n]) != wanted[n]
+        f"{model_key(n)} {saved[n]} vs model {wanted[n]}" for n in wanted if n in saved and tuple(saved[n]) != wanted[n]
     )
+    saved_layers = {int(n.split(".")[1]) for n in saved if n.startswith("layers.")}
     problems = []
     if missing:
         problems.append(f"missing keys: {_listed(missing)}")
@@ -231,8 +232,8 @@ def check_fits(path: Path, model_cfg: Any) -> None:
         problems.append(f"shape mismatches: {_listed(misshapen)}")
     if problems:
         raise CheckpointError(
-            f"checkpoint {path} does not fit model.family={model_cfg.family} model.n_layer={model_cfg.n_layer} "
-            f"model.n_embd={model_cfg.n_embd}: " + "; ".join(problems)
+            f"checkpoint {path} ({len(saved_layers)} layers) does not fit model.family={model_cfg.family} "
+            f"model.n_layer={model_cfg.n_layer} model.n_embd={model_cfg.n_embd}: " + "; ".join(problems)
         )
 
 

@@ -104,11 +104,12 @@ class PipelineTimeline(Callback):
 
     Steps up to ``warmup_steps`` are not recorded (first steps pay for allocation and warm-up);
     the last step is always recorded. Results (first rank only): :attr:`steps`,
-    :meth:`summary` for summary.json.
+    :meth:`summary` for summary.json. When training starts, global rank 0 also writes the task
+    table it runs to schedule.txt (so a run that fails has it too).
 
     Args:
-        every_n_steps: gather period in optimizer steps (0 disables everything).
-        run_dir: where timeline.json and timeline.png go.
+        every_n_steps: gather period in optimizer steps (0 disables the timelines).
+        run_dir: where schedule.txt, timeline.json and timeline.png go.
         max_steps: the run's last step, always recorded.
         warmup_steps: steps not recorded at the start (unless the run is that short).
     """
@@ -123,6 +124,13 @@ class PipelineTimeline(Callback):
         self.measured: list[dict[int, float]] = []
         self._table = None
         self._same_host: bool | None = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            from pipetrain.pipeline.render import render_grid, render_table
+
+            table = trainer.strategy.table
+            (self.run_dir / "schedule.txt").write_text(render_table(table) + "\n\n" + render_grid(table) + "\n")
 
     def _due(self, step: int) -> bool:
         if not self.every_n_steps:

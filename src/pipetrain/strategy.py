@@ -520,7 +520,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._executors.clear()
         self.train_executor = None
         watcher = self._launcher.watcher if isinstance(self._launcher, HydraJobLauncher) else None
-        if watcher is not None and not self._failed:
+        if watcher is not None and self._failed:
+            # This rank failed: its children fail too (or are waiting for it). Give them a moment
+            # to say why, then end them, so that a sweep's next job starts with no rank left over.
+            watcher.wait_children(10.0)
+        elif watcher is not None:
             # A successful run ends when every rank has: a child still writing (its parameter
             # dump, its logs) finishes, and one that failed after the fit is reported.
             bad = watcher.wait_children(self._timeout.total_seconds())
@@ -651,10 +655,13 @@ class PipelineParallelStrategy(ParallelStrategy):
             if isinstance(err, RankFailure) or not _lost_a_peer(err):
                 raise
             ranks = dist.get_process_group_ranks(group) if group is not None else []
-            raise RankFailure(
-                f"rank {self.global_rank}: {what} with ranks {ranks} failed: one of them died or did not answer "
-                f"within parallel.timeout_s={self._timeout.total_seconds():g}. {err}"
-            ) from err
+            why = self._why_lost(err, "one of them")
+            raise RankFailure(f"rank {self.global_rank}: {what} with ranks {ranks} failed: {why}. {err}") from err
+
+    def _why_lost(self, err: BaseException, who: str) -> str:
+        if any(word in str(err) for word in ("timed out", "Timed out", "Timeout")):
+            return f"{who} did not answer within parallel.timeout_s={self._timeout.total_seconds():g}"
+        return f"{who} closed its connection (its process ended)"
 
     def run_schedule(
         self,
@@ -719,7 +726,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             lost = self.dp_rank * self.pp + err.peer
             raise RankFailure(
                 f"rank {self.global_rank} lost rank {lost} (pp rank {err.peer} of replica {self.dp_rank}): "
-                f"it died or did not answer within parallel.timeout_s={self._timeout.total_seconds():g}. {err}"
+                f"{self._why_lost(err.__cause__ or err, 'it')}. {err}"
             ) from err
         if averager is not None:
             with self._naming_failures("the gradient all-reduce", self._dp_group()):

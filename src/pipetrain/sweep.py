@@ -86,7 +86,9 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         mode = config.hydra.mode
         if getattr(mode, "name", mode) == "MULTIRUN":  # not in a sweep's child ranks (RUN)
-            self._write(Path(config.hydra.sweep.dir), announce=False)
+            # After a failed job Hydra may end the sweep without on_multirun_end: say where it is.
+            failed = getattr(getattr(job_return, "status", None), "name", None) == "FAILED"
+            self._write(Path(config.hydra.sweep.dir), announce=failed)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._write(Path(config.hydra.sweep.dir), announce=True)

@@ -10,6 +10,8 @@ before any process is started, with one line naming the key.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import statistics
 import sys
@@ -20,6 +22,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipetrain.config import register_configs, validate
+
+log = logging.getLogger("pipetrain")
 
 
 def config_dir() -> str:
@@ -100,7 +104,6 @@ def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict
     from pipetrain.checkpoint import CHECKPOINT_DIR, PipelineCheckpoint, read_trainer_state
     from pipetrain.data.datamodule import TokenDataModule
     from pipetrain.module import PipelineLM
-    from pipetrain.pipeline.render import render_grid, render_table
     from pipetrain.profiling import PipelineTimeline
     from pipetrain.strategy import PipelineParallelStrategy
 
@@ -191,7 +194,6 @@ def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict
     if not trainer.is_global_zero:
         return None
 
-    (run_dir / "schedule.txt").write_text(render_table(strategy.table) + "\n\n" + render_grid(strategy.table) + "\n")
     skip = cfg.timing_warmup_steps
     tokens_per_step = cfg.data.micro_batch_size * par.num_microbatches * par.dp * cfg.data.seq_len
     step_time = _median_after(module.step_times, skip)
@@ -212,24 +214,46 @@ def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict
         **timeline.summary(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # Strict JSON: a skipped step's NaN loss is written as null.
+    (run_dir / "summary.json").write_text(json.dumps(_finite_or_null(summary), indent=2, allow_nan=False) + "\n")
     return summary
+
+
+def _finite_or_null(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 class JobFailed(RuntimeError):
     """One job of a --multirun sweep failed (its message is printed); the sweep goes on."""
 
 
-def _fail(message: str, code: int) -> None:
-    """Print ``message`` as one line; end this run with ``code``, or fail only this job of a sweep."""
+def _fail(message: str, code: int, *, say: bool = True) -> None:
+    """Print ``message`` as one line (console and the run's log, when ``say``); end this run with
+    ``code``, or fail only this job of a sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    print(message, file=sys.stderr)
+    if say:
+        print(message, file=sys.stderr)
+        log.error(message)
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         # sys.exit would end the whole sweep: Hydra records an exception as this job's failure.
-        raise JobFailed(message)
+        raise JobFailed(message) from None
     sys.exit(code)
+
+
+def _first_process() -> bool:
+    """Whether this is the job's first process (rank 0), before any process group exists."""
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if key in os.environ:
+            return os.environ[key] == "0"
+    return True
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
@@ -242,7 +266,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
-        ckpt_path = resolve(cfg.ckpt_path, run_dir)
+        with warnings.catch_warnings():
+            if not _first_process():
+                warnings.simplefilter("ignore")  # ckpt_path=last with nothing saved: said once, by rank 0
+            ckpt_path = resolve(cfg.ckpt_path, run_dir)
         if ckpt_path is not None:
             check_checkpoint(ckpt_path, cfg.model)
     except (ValueError, OmegaConfBaseException) as err:
@@ -254,15 +281,20 @@ def _hydra_main(cfg: DictConfig) -> None:
         summary = train(cfg, run_dir, ckpt_path)
     except (FloatingPointError, RankFailure) as err:
         # A run that cannot go on (a NaN loss, a lost rank): one line, exit code 1.
-        _fail(f"pipetrain: error: {err}", 1)
+        # A NaN loss is the same on every rank: rank 0 says it. A lost peer is each rank's own story.
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        _fail(f"pipetrain: error: {err}", 1, say=isinstance(err, RankFailure) or rank_zero_only.rank == 0)
     if summary is not None:
         losses = summary["train_loss"]
-        print(
+        line = (
             f"pipetrain: {summary['steps']} steps, train loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
             f"val loss {'n/a' if summary['val_loss'] is None else format(summary['val_loss'], '.4f')}, "
             f"{summary['tokens_per_s'] or 0:.0f} tokens/s; "
             f"summary: {run_dir / 'summary.json'}"
         )
+        print(line)
+        log.info(line)
 
 
 def run_name(default: str) -> str:
