@@ -484,7 +484,7 @@ def test_torchrun_two_nodes_with_num_nodes_equal_the_lightning_launcher(tmp_path
 def test_srun_tasks_on_two_nodes_run_through_lightnings_slurm_environment(tmp_path, lightning_dp2_pp2):
     """Four tasks started the way ``srun --nodes 2 --ntasks-per-node 2`` starts them (SLURM_*
     variables, no launcher): Lightning's SLURMEnvironment wires them, and they share the run dir
-    slurm-<job id>."""
+    slurm-<job id>-<step id>."""
     base = {
         **os.environ,
         "SLURM_NTASKS": "4",
@@ -493,6 +493,7 @@ def test_srun_tasks_on_two_nodes_run_through_lightnings_slurm_environment(tmp_pa
         "SLURM_JOB_NUM_NODES": "2",
         "SLURM_JOB_NAME": "pipetrain",
         "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
         "SLURM_NODELIST": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "PYTHONWARNINGS": "ignore",
@@ -506,7 +507,7 @@ def test_srun_tasks_on_two_nodes_run_through_lightnings_slurm_environment(tmp_pa
         tasks.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [task.communicate(timeout=300) for task in tasks]
     assert [t.returncode for t in tasks] == [0] * 4, "\n".join(err[-2000:] for _, err in outputs)
-    summary = json.loads((tmp_path / "outputs" / "slurm-4242" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "outputs" / "slurm-4242-0" / "summary.json").read_text())
     assert summary["world_size"] == 4
     assert summary["train_loss"] == lightning_dp2_pp2["train_loss"]
 

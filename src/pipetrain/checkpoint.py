@@ -23,6 +23,7 @@ rank has finished, so a crash mid-save leaves the previous checkpoints as they w
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -74,12 +75,19 @@ def step_of(path: Path) -> int | None:
 def find_last(run_dir: Path) -> Path | None:
     """The complete checkpoint with the highest step under ``run_dir/checkpoints``, or None.
 
-    Partial saves (``.step=N.ckpt.partial``) are never complete and never chosen.
+    Partial saves (``.step=N.ckpt.partial``) are never chosen. A first save of a step that was
+    being saved again when the process died (``.step=N.ckpt.old``) is moved back into place.
     """
     root = run_dir / CHECKPOINT_DIR
     if not root.is_dir():
         return None
     complete = [p for p in root.iterdir() if step_of(p) is not None and is_complete(p)]
+    # A crash while a step was saved a second time can leave its first save renamed aside.
+    for old in root.glob(".step=*.old"):
+        final = old.with_name(old.name[1 : -len(".old")])
+        if not final.exists() and step_of(final) is not None and is_complete(old):
+            os.replace(old, final)
+            complete.append(final)
     return max(complete, key=step_of, default=None)
 
 
@@ -354,6 +362,9 @@ def _sync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as err:  # some network and FUSE file systems cannot fsync a directory
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 

@@ -187,7 +187,7 @@ class RankWatcher(threading.Thread):
             return False
         rank, proc = failed
         with self._lock:
-            if not self._reported and not self.main_failed:
+            if not self._reported and not self.main_failed and not self._done.is_set():
                 print(
                     f"pipetrain: rank {rank} (pid {proc.pid}) {describe_exit(proc.returncode)} during the run; "
                     "ending the job",
@@ -197,27 +197,34 @@ class RankWatcher(threading.Thread):
             self._reported = True
         return True
 
-    def wait_children(self, timeout_s: float) -> list[tuple[int, subprocess.Popen]]:
-        """After a successful run: wait for every child; return those that ended non-zero or hung
-        (a hung one is killed)."""
-        self._done.set()
+    def wait_children(self, timeout_s: float) -> list[tuple[int, subprocess.Popen, str]]:
+        """At the end of the run (this rank's teardown): wait up to ``timeout_s`` for every child;
+        kill those still running. Returns (rank, process, what happened) for each child that did
+        not end with code 0. From here on the watcher reports nothing."""
+        with self._lock:
+            self._done.set()
+            self._reported = True
         deadline = time.monotonic() + timeout_s
         bad = []
         for rank, proc in zip(self.ranks, self.procs, strict=True):
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                what = describe_exit(proc.returncode)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                what = f"did not end within {timeout_s:g} s and was killed"
             if proc.returncode:
-                bad.append((rank, proc))
+                bad.append((rank, proc, what))
         return bad
 
     def run(self) -> None:
-        while not self.report():
-            if self._done.is_set() or all(proc.poll() == 0 for proc in self.procs):
+        while not self._done.is_set() and not self.report():
+            if all(proc.poll() == 0 for proc in self.procs):
                 return
             time.sleep(self.poll_s)
+        if self._done.is_set():
+            return
         # Give the surviving ranks time to fail on their own and say what they waited for.
         time.sleep(self.grace_s)
         for proc in self.procs:
@@ -299,6 +306,11 @@ class RankFailure(RuntimeError):
     """Another rank of the job died or stopped answering; the message names it."""
 
 
+def _says_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(word in text for word in ("timed out", "timeout", "timing out"))
+
+
 def _lost_a_peer(exception: BaseException | None) -> bool:
     """Whether ``exception`` (or what caused it) is a failed exchange with another rank.
 
@@ -308,8 +320,8 @@ def _lost_a_peer(exception: BaseException | None) -> bool:
     while exception is not None:
         if isinstance(exception, (PeerError, dist.DistError)):
             return True
-        if isinstance(exception, RuntimeError) and any(
-            word in str(exception) for word in ("by peer", "Connection", "timed out", "Timeout")
+        if isinstance(exception, RuntimeError) and (
+            _says_timeout(exception) or any(w in str(exception).lower() for w in ("by peer", "connection"))
         ):
             return True
         exception = exception.__cause__ or exception.__context__
@@ -418,7 +430,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
-        launcher_pid = os.environ.get(_LAUNCHER_PID)
+        launcher_pid = os.environ.pop(_LAUNCHER_PID, None)  # not for what this rank starts
         if launcher_pid and os.getppid() != int(launcher_pid):
             raise RankFailure(f"the process that started this rank (pid {launcher_pid}, rank 0) is gone")
         super().setup_environment()
@@ -437,15 +449,22 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
         # Every group gets parallel.timeout_s: device-mesh subgroups and new_group would otherwise
         # take torch's defaults (30 min on gloo, 10 on NCCL) whatever the default group has.
-        options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
-        options._timeout = self._timeout
+        # One options object per group: NCCL writes each group's split details into its own.
+        # A dimension spanning the whole world reuses the default group, which has the timeout.
+        def options() -> tuple[str, Any]:
+            opts = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+            opts._timeout = self._timeout
+            return backend, opts
+
+        sizes = {"dp": self.dp, "pp": self.pp}
         self.mesh = init_device_mesh(
             self.root_device.type,
             (self.dp, self.pp),
             mesh_dim_names=("dp", "pp"),
-            backend_override={"dp": (backend, options), "pp": (backend, options)},
+            backend_override={dim: options() for dim, size in sizes.items() if 1 < size < self.world_size},
         )
         if self.global_rank == 0:
             grid = self.mesh.mesh.tolist()
@@ -510,6 +529,17 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         super().teardown()
+        watcher = self._launcher.watcher if isinstance(self._launcher, HydraJobLauncher) else None
+        failures = []
+        if watcher is not None and self._failed:
+            # This rank failed: its children fail too (or are waiting for it). Give them a moment
+            # to say why, then end them, so that a sweep's next job starts with no rank left over.
+            watcher.wait_children(10.0)
+        elif watcher is not None:
+            # A successful run ends when every rank has: a child still writing (its parameter
+            # dump, its logs) finishes, and one that failed after the fit is reported. The
+            # groups live until then (the children's store is this process's).
+            failures = watcher.wait_children(self._timeout.total_seconds())
         # Leave the process clean for the next job of a sweep: no group, no launch variables.
         if _distributed_is_initialized():
             dist.destroy_process_group()
@@ -519,20 +549,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._tied_group = None
         self._executors.clear()
         self.train_executor = None
-        watcher = self._launcher.watcher if isinstance(self._launcher, HydraJobLauncher) else None
-        if watcher is not None and self._failed:
-            # This rank failed: its children fail too (or are waiting for it). Give them a moment
-            # to say why, then end them, so that a sweep's next job starts with no rank left over.
-            watcher.wait_children(10.0)
-        elif watcher is not None:
-            # A successful run ends when every rank has: a child still writing (its parameter
-            # dump, its logs) finishes, and one that failed after the fit is reported.
-            bad = watcher.wait_children(self._timeout.total_seconds())
-            if bad:
-                raise RankFailure(
-                    "; ".join(f"rank {rank} (pid {proc.pid}) {describe_exit(proc.returncode)}" for rank, proc in bad)
-                    + " at the end of the run"
-                )
+        if failures:
+            raise RankFailure(
+                "; ".join(f"rank {rank} (pid {proc.pid}) {what}" for rank, proc, what in failures)
+                + " at the end of the run"
+            )
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -659,7 +680,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise RankFailure(f"rank {self.global_rank}: {what} with ranks {ranks} failed: {why}. {err}") from err
 
     def _why_lost(self, err: BaseException, who: str) -> str:
-        if any(word in str(err) for word in ("timed out", "Timed out", "Timeout")):
+        if _says_timeout(err):
             return f"{who} did not answer within parallel.timeout_s={self._timeout.total_seconds():g}"
         return f"{who} closed its connection (its process ended)"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,12 @@ def write_sweep_summary(sweep_dir: Path) -> Path:
     varying = [k for k in keys if len({row.get(k) for row in rows}) > 1]
     columns = ["job", *varying, "status", *(column for column, _ in RESULTS)]
     out = sweep_dir / SUMMARY_CSV
-    with out.open("w", newline="") as f:
+    partial = sweep_dir / f".{SUMMARY_CSV}.partial"
+    with partial.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+    os.replace(partial, out)  # readers never see half a table
     return out
 
 

@@ -99,7 +99,7 @@ def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict
 
     import lightning as L
     import torch
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
     from pipetrain.checkpoint import CHECKPOINT_DIR, PipelineCheckpoint, read_trainer_state
     from pipetrain.data.datamodule import TokenDataModule
@@ -159,7 +159,7 @@ def train(cfg: DictConfig, run_dir: Path, ckpt_path: Path | None = None) -> dict
     own = ckpt_path is not None and ckpt_path.resolve().parent == (run_dir / CHECKPOINT_DIR).resolve()
     wandb_id = read_trainer_state(ckpt_path).get("wandb_run_id") if own else None
     plugins = []
-    if SLURMEnvironment.detect():
+    if SLURMEnvironment.detect() and not TorchElasticEnvironment.detect():  # (torchrun in SLURM: torchrun's)
         # Requeueing is ckpt_path=last's job. Lightning's auto-requeue saves a checkpoint from
         # inside a signal handler, a collective that would meet the pipeline's own out of order.
         plugins.append(SLURMEnvironment(auto_requeue=False))
@@ -301,15 +301,17 @@ def run_name(default: str) -> str:
     """Run-dir name shared by every rank of an externally launched job, else ``default``.
 
     ``torchrun-<job id>`` under torchrun when it has one (``--standalone``, ``--rdzv-id``);
-    ``slurm-<job id>[-<step id>]`` under SLURM's srun; otherwise ``default`` (the time).
+    ``slurm-<job id>-<step id>`` in a job step started by SLURM's srun; otherwise ``default``.
     """
     job_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if job_id and job_id != "none":
         return f"torchrun-{job_id}"
-    slurm_job = os.environ.get("SLURM_JOB_ID")
-    if slurm_job and "SLURM_NTASKS" in os.environ:
-        step = os.environ.get("SLURM_STEP_ID")
-        return f"slurm-{slurm_job}" + (f"-{step}" if step else "")
+    # Only ranks that srun started (a job step, not an salloc shell or the batch script itself):
+    # other runs of the same allocation must not share one run dir.
+    slurm_job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    interactive = os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive")
+    if slurm_job and step is not None and "SLURM_NTASKS" in os.environ and not interactive:
+        return f"slurm-{slurm_job}-{step}"
     return default
 
 
