@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,13 @@ TINY = [
     # Checkpoints only where a test asks for them.
     "checkpoint.every_n_steps=0",
 ]
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now (for MASTER_PORT or a rendezvous endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_cli(module: str, args: list[str], *, timeout: float = 240, env: dict | None = None, launcher=None):

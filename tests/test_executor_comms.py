@@ -8,7 +8,6 @@ holding of early messages. Both paths must give the unpipelined gradients.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from pipetrain.config import GPT2Config
 from pipetrain.models import build_chunk
 from pipetrain.pipeline.check import messages
@@ -62,12 +62,6 @@ def worker(rank: int, port: int, schedule: str, prefetch: bool, out_dir: str) ->
         torch.save({"grads": grads, "loss": loss}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved_zb", "interleaved_1f1b"])

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, run_cli, train_run
+from conftest import TINY, free_port, run_cli, train_run
 from pipetrain.checkpoint import find_last, is_complete
 
 TOL = 1e-5
@@ -415,12 +414,6 @@ def lightning_dp2_pp2(tmp_path_factory) -> dict:
     return train_run(tmp_path_factory.mktemp("lightning"), *DP2_PP2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_torchrun_four_processes_dp2_pp2_equal_the_lightning_launcher(tmp_path, lightning_dp2_pp2):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "4"]
@@ -437,7 +430,7 @@ def test_torchrun_four_processes_dp2_pp2_equal_the_lightning_launcher(tmp_path, 
 @pytest.mark.slow
 def test_lightning_launcher_on_two_nodes_equals_one_node(tmp_path, lightning_dp2_pp2):
     """The same command on two 'nodes' (NODE_RANK 0 and 1, one MASTER_ADDR/PORT), 2 processes each."""
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONWARNINGS": "ignore"}
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "pipetrain.train", *TINY, *DP2_PP2, "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}"]
     nodes = [
         subprocess.Popen(
@@ -466,7 +459,7 @@ def test_lightning_launcher_on_two_nodes_equals_one_node(tmp_path, lightning_dp2
 @pytest.mark.slow
 def test_torchrun_two_nodes_with_num_nodes_equal_the_lightning_launcher(tmp_path, lightning_dp2_pp2):
     """Two torchrun agents meeting at one c10d rendezvous, 2 processes each, as on two nodes."""
-    port = _free_port()
+    port = free_port()
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
@@ -499,7 +492,7 @@ def test_srun_tasks_on_two_nodes_run_through_lightnings_slurm_environment(tmp_pa
         "SLURM_JOB_ID": "4242",
         "SLURM_STEP_ID": "0",
         "SLURM_NODELIST": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "PYTHONWARNINGS": "ignore",
     }
     cmd = [sys.executable, "-m", "pipetrain.train", *TINY, *DP2_PP2, "trainer.num_nodes=2"]
