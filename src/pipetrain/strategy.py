@@ -253,16 +253,14 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         self.watcher: RankWatcher | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
+        from pipetrain.sweep import in_sweep
 
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes + 1
-            in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
             self.watcher = RankWatcher(
-                self.procs, list(range(first, first + len(self.procs))), exit_process=not in_sweep
+                self.procs, list(range(first, first + len(self.procs))), exit_process=not in_sweep()
             )
             self.watcher.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
@@ -669,12 +667,20 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @contextmanager
     def _naming_failures(self, what: str, group: dist.ProcessGroup | None):
-        """Turn a collective that failed because a peer is gone into a RankFailure naming its group."""
+        """Turn a communication that failed because a peer is gone into a RankFailure naming the
+        peer (a receive knows it: :class:`PeerError`) or else the group."""
         try:
             yield
         except RuntimeError as err:
             if isinstance(err, RankFailure) or not _lost_a_peer(err):
                 raise
+            if isinstance(err, PeerError):
+                lost = self.dp_rank * self.pp + err.peer
+                why = self._why_lost(err.__cause__ or err, "it")
+                raise RankFailure(
+                    f"rank {self.global_rank} lost rank {lost} (pp rank {err.peer} of replica {self.dp_rank}): "
+                    f"{why}. {err}"
+                ) from err
             ranks = dist.get_process_group_ranks(group) if group is not None else []
             why = self._why_lost(err, "one of them")
             raise RankFailure(f"rank {self.global_rank}: {what} with ranks {ranks} failed: {why}. {err}") from err
@@ -741,14 +747,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         executor, averager = entry
         if train:
             self.train_executor = executor
-        try:
+        with self._naming_failures("the pipeline's messages", self._pp_group()):
             loss = executor.run(inputs, targets=targets, num_tokens=rows * (t_plus_1 - 1), forward_only=not train)
-        except PeerError as err:
-            lost = self.dp_rank * self.pp + err.peer
-            raise RankFailure(
-                f"rank {self.global_rank} lost rank {lost} (pp rank {err.peer} of replica {self.dp_rank}): "
-                f"{self._why_lost(err.__cause__ or err, 'it')}. {err}"
-            ) from err
         if averager is not None:
             with self._naming_failures("the gradient all-reduce", self._dp_group()):
                 averager.finish()

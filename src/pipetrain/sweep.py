@@ -33,6 +33,15 @@ RESULTS = (
 )
 
 
+def in_sweep() -> bool:
+    """Whether this process runs a job of a Hydra sweep (``--multirun`` or ``hydra.mode: MULTIRUN``);
+    a sweep job's child ranks run in RUN mode."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def _mean(values: list[float] | None) -> float | None:
     return statistics.fmean(values) if values else None
 

@@ -58,12 +58,13 @@ def _logger(cfg: DictConfig, run_dir: Path, resume_id: str | None):
 
         return CSVLogger(save_dir=str(run_dir), name="csv", version="")
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
     from lightning.pytorch.loggers import WandbLogger
+
+    from pipetrain.sweep import in_sweep
 
     os.environ.setdefault("WANDB_SILENT", "true")
     group = cfg.logger.group
-    if group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    if group is None and in_sweep():
         group = HydraConfig.get().sweep.dir  # a sweep's jobs side by side on the dashboard
     # A resumed run continues the wandb run its checkpoint was saved from.
     resume = {"id": resume_id, "resume": "allow"} if resume_id else {}
@@ -236,13 +237,12 @@ class JobFailed(RuntimeError):
 def _fail(message: str, code: int, *, say: bool = True) -> None:
     """Print ``message`` as one line (console and the run's log, when ``say``); end this run with
     ``code``, or fail only this job of a sweep."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+    from pipetrain.sweep import in_sweep
 
     if say:
         print(message, file=sys.stderr)
         log.error(message)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    if in_sweep():
         # sys.exit would end the whole sweep: Hydra records an exception as this job's failure.
         raise JobFailed(message) from None
     sys.exit(code)
